@@ -1,0 +1,11 @@
+"""flashattn: FlashAttention forward and backward in Triton, with a PyTorch reference beside them.
+
+``import flashattn`` imports neither triton nor any GPU state: the kernels are imported the first time a
+CUDA tensor (or, under ``TRITON_INTERPRET=1``, a CPU tensor) reaches :func:`attention`.
+"""
+
+from flashattn import reference, schedule
+from flashattn.api import attention, flash_attn_func
+
+__all__ = ["attention", "flash_attn_func", "reference", "schedule"]
+__version__ = "0.1.0"

@@ -1,0 +1,135 @@
+"""The public entry points: :func:`attention` and the ``flash_attn``-style :func:`flash_attn_func`.
+
+Every check of the API contract happens here, before any kernel is launched, so bad input raises a
+``TypeError`` or ``ValueError`` that names the argument, never a Triton compile error.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+
+import torch
+
+from flashattn.autograd import ReferenceAttention, TritonAttention
+
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what the Triton kernels run
+REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # the CPU reference
+
+
+def _interpreting() -> bool:
+    # Read at call time, not import time: tests and notebooks set it before they first import triton.
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_inputs(q, k, v, causal, scale):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be 4-D ({'B, Hq, N, D' if name == 'q' else 'B, Hkv, M, D'}), got shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (B, Hkv, M, D), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    b, h_q, n, d = q.shape
+    _, h_kv, m, d_k = k.shape
+    if k.shape[0] != b:
+        raise ValueError(f"k and v must have the batch size of q ({b}), got {k.shape[0]}")
+    if d_k != d:
+        raise ValueError(f"k and v must have the head dim D of q ({d}), got {d_k}")
+    if h_kv == 0 or h_q % h_kv != 0:
+        raise ValueError(f"the number of query heads ({h_q}) must be a multiple of the number of key/value heads of k and v ({h_kv})")
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim D of q, k, v must be between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}, got {d}")
+    if b == 0 or h_q == 0 or n == 0 or m == 0:
+        raise ValueError(f"q and k need at least one batch, head, query and key; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+        if not math.isfinite(scale) or scale < 0:
+            raise ValueError(f"scale must be finite and non-negative, got {scale}")
+    if q.is_cuda:
+        if q.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"on the GPU q, k, v must be float16 or bfloat16, got {q.dtype}")
+    elif q.device.type == "cpu":
+        if q.dtype not in REFERENCE_DTYPES:
+            raise TypeError(f"q, k, v must be float16, bfloat16, float32 or float64 on the CPU, got {q.dtype}")
+    else:
+        raise ValueError(f"q, k, v must be on a CUDA device or the CPU, got {q.device}")
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False):
+    """Scaled dot-product attention, FlashAttention style: O(N) extra memory, exact result.
+
+    Args:
+        q: queries, shape (B, Hq, N, D), any strides.
+        k: keys, shape (B, Hkv, M, D), with ``Hq % Hkv == 0`` (grouped-query attention).
+        v: values, same shape as ``k``.
+        causal: bottom-right aligned causal mask: query ``i`` sees key ``j`` when ``j <= i + M - N``.
+            For N == M this is ``is_causal=True`` of ``scaled_dot_product_attention``.
+            A query that sees no key gets output 0 (and LSE -inf).
+        scale: softmax scale; ``1 / sqrt(D)`` when None.
+        return_lse: also return the natural-log log-sum-exp of each score row, shape (B, Hq, N),
+            float32 (float64 for float64 inputs). It carries no gradient.
+
+    Returns:
+        ``o`` of the shape and dtype of ``q``, or ``(o, lse)`` when ``return_lse`` is set.
+
+    CUDA tensors (float16, bfloat16) run the Triton kernels. CPU tensors run the tile-by-tile PyTorch
+    reference, or the same Triton kernels under Triton's interpreter when ``TRITON_INTERPRET=1`` was set
+    before triton was imported (float16 and bfloat16 only; float32 and float64 use the reference).
+    """
+    _check_inputs(q, k, v, causal, scale)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    use_kernels = q.is_cuda or (_interpreting() and q.dtype in KERNEL_DTYPES)
+    fn = TritonAttention if use_kernels else ReferenceAttention
+    o, lse = fn.apply(q, k, v, causal, scale)
+    return (o, lse) if return_lse else o
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size=(-1, -1),
+    alibi_slopes=None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """Drop-in for ``flash_attn.flash_attn_func``: tensors are (B, N, H, D) instead of (B, H, N, D).
+
+    Only the features flashattn implements are accepted: ``dropout_p`` must be 0, ``window_size``
+    (-1, -1) and ``alibi_slopes`` None. The kernels are always deterministic, so ``deterministic`` is
+    accepted and has no effect. With ``return_attn_probs`` the result is ``(out, softmax_lse, None)``,
+    the LSE shaped (B, H, N); flashattn never materializes the probabilities.
+    """
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p must be 0.0 (flashattn has no dropout), got {dropout_p}")
+    if tuple(window_size) != (-1, -1):
+        raise ValueError(f"window_size must be (-1, -1) (no sliding window), got {tuple(window_size)}")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes must be None (flashattn has no ALiBi)")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be a 4-D tensor (B, N, H, D), got {shape}")
+    # (B, N, H, D) viewed as (B, H, N, D): a transpose, no copy; the kernels take any strides.
+    out, lse = attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=softmax_scale, return_lse=True
+    )
+    out = out.transpose(1, 2)
+    return (out, lse, None) if return_attn_probs else out

@@ -1,0 +1,134 @@
+"""The causal block schedule: which (query block, key block) tiles a kernel visits, and which need a mask.
+
+Causal attention here is aligned **bottom-right**: with N queries and M keys, query ``i`` sees key ``j``
+exactly when ``j <= i + (M - N)``. For N == M that is the usual lower triangle; for N < M (decoding
+with a KV cache) every query also sees the whole prefix; for N > M the first ``N - M`` queries see no
+key at all.
+
+Tiling the (N, M) score matrix into ``block_m x block_n`` tiles splits the tiles three ways:
+
+* **full**: every (i, j) in the tile is visible and in range: the kernel runs it without a mask;
+* **masked**: the tile straddles the causal diagonal or the ragged key edge (keys >= M): the
+  kernel runs it and masks what it must not see (rows >= N of a ragged last query block are computed
+  and never stored in the forward; the dK/dV loop masks them, see :func:`backward_query_range`);
+* **skipped**: no (i, j) in the tile is visible: the kernel never loads it.
+
+The four ``*_key``/``*_query`` boundary functions below use only ``+`` and ``-``, so the Triton kernels
+wrap the very same functions with ``triton.jit`` and clamp the results with ``tl.minimum`` /
+``tl.maximum``, the PyTorch reference calls them through :func:`forward_key_range` and
+:func:`backward_query_range`, and the site draws its figures with :func:`block_grid`. There is one
+schedule, not three.
+"""
+
+from __future__ import annotations
+
+FULL = "full"
+MASKED = "masked"
+SKIPPED = "skipped"
+
+
+def is_visible(i: int, j: int, n: int, m: int, causal: bool) -> bool:
+    """Whether query ``i`` may attend to key ``j`` (both in range) under bottom-right alignment."""
+    in_range = 0 <= i < n and 0 <= j < m
+    return in_range and (not causal or j <= i + m - n)
+
+
+# --8<-- [start:boundaries]
+def fwd_first_masked_key(start_m, n, m):
+    """Keys below this index are visible to every row of the query block that starts at ``start_m``.
+
+    The block's first row, ``start_m``, sees keys ``j <= start_m + m - n``; later rows see more.
+    """
+    return start_m + m - n + 1
+
+
+def fwd_end_visible_key(start_m, block_m, n, m):
+    """Keys at or past this index are visible to no row of the query block starting at ``start_m``.
+
+    Its last row, ``start_m + block_m - 1``, sees keys up to ``start_m + block_m - 1 + m - n``.
+    """
+    return start_m + block_m + m - n
+
+
+def bwd_first_seeing_query(start_n, n, m):
+    """Query rows below this index see no key of the key block that starts at ``start_n``.
+
+    Key ``j`` is seen by the rows ``i >= j - (m - n)``; the block's first key is the earliest seen.
+    """
+    return start_n + n - m
+
+
+def bwd_first_full_query(start_n, block_n, n, m):
+    """Query rows at or past this index see every key of the key block starting at ``start_n``."""
+    return start_n + block_n - 1 + n - m
+# --8<-- [end:boundaries]
+
+
+def _clamp(x: int, lo: int, hi: int) -> int:
+    return min(max(x, lo), hi)
+
+
+# --8<-- [start:forward-range]
+def forward_key_range(start_m: int, block_m: int, block_n: int, n: int, m: int, causal: bool):
+    """Key ranges the forward (and dQ) loop of one query block walks.
+
+    Returns ``(full_end, hi)``: key blocks starting in ``[0, full_end)`` run without a mask,
+    those starting in ``[full_end, hi)`` run with one, keys from ``hi`` on are skipped.
+    ``full_end`` is a multiple of ``block_n``, so the unmasked loop never touches a ragged edge.
+    """
+    if causal:
+        full_end = _clamp(fwd_first_masked_key(start_m, n, m), 0, m)
+        hi = _clamp(fwd_end_visible_key(start_m, block_m, n, m), 0, m)
+    else:
+        full_end, hi = m, m
+    full_end = full_end // block_n * block_n
+    return full_end, hi
+# --8<-- [end:forward-range]
+
+
+# --8<-- [start:backward-range]
+def backward_query_range(start_n: int, block_m: int, block_n: int, n: int, m: int, causal: bool):
+    """Query ranges the dK/dV loop of one key block walks.
+
+    Returns ``(lo, full_start, full_end)``: query blocks starting in ``[lo, full_start)`` straddle the
+    diagonal and need the causal mask, those in ``[full_start, full_end)`` see the whole key block,
+    and the last, ragged query block (from ``full_end`` up to ``n``) needs the row mask.
+    Rows below ``lo`` see none of the block and are skipped. ``lo`` and ``full_start`` are multiples of
+    ``block_m``.
+    """
+    full_end = n // block_m * block_m
+    if not causal:
+        return 0, 0, full_end
+    lo = _clamp(bwd_first_seeing_query(start_n, n, m), 0, n) // block_m * block_m
+    first_full = _clamp(bwd_first_full_query(start_n, block_n, n, m), 0, n)
+    full_start = min(-(-first_full // block_m) * block_m, full_end)  # round up to a block boundary
+    full_start = max(full_start, lo)
+    return lo, full_start, max(full_end, full_start)
+# --8<-- [end:backward-range]
+
+
+def classify_block(
+    start_m: int, start_n: int, block_m: int, block_n: int, n: int, m: int, causal: bool
+) -> str:
+    """How the forward schedule treats the tile at (``start_m``, ``start_n``): full, masked or skipped."""
+    full_end, hi = forward_key_range(start_m, block_m, block_n, n, m, causal)
+    if start_n >= hi:
+        return SKIPPED
+    if start_n < full_end:
+        return FULL
+    return MASKED
+
+
+def block_grid(n: int, m: int, block_m: int, block_n: int, causal: bool) -> list[list[str]]:
+    """The whole schedule as a grid of labels: ``grid[query block][key block]``."""
+    return [
+        [classify_block(sm, sn, block_m, block_n, n, m, causal) for sn in range(0, m, block_n)]
+        for sm in range(0, n, block_m)
+    ]
+
+
+def visible_count(n: int, m: int, causal: bool) -> int:
+    """Number of visible (query, key) pairs; a causal row ``i`` sees ``clamp(i + m - n + 1, 0, m)`` keys."""
+    if not causal:
+        return n * m
+    return sum(_clamp(i + m - n + 1, 0, m) for i in range(n))
