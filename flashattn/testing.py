@@ -1,0 +1,56 @@
+"""Helpers the tests and the benchmark share: random inputs and error measured as a ratio.
+
+A low-precision kernel is judged the way FlashAttention's own tests judge it: its error against a
+float64 reference may be at most a small multiple of the error PyTorch's own computation in the same
+low precision makes against that reference. No magic absolute tolerances.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def random_qkv(b, h_q, h_kv, n, m, d, *, dtype=torch.float64, device="cpu", layout="bhnd", generator=None,
+               requires_grad=False, std=1.0):
+    """Fresh random q (B, Hq, N, D), k and v (B, Hkv, M, D).
+
+    ``layout="bnhd"`` allocates (B, N, H, D) storage and returns ``.transpose(1, 2)`` views: the
+    non-contiguous layout a model that keeps heads innermost hands over.
+    """
+    def make(h, length):
+        if layout == "bnhd":
+            x = torch.randn(b, length, h, d, dtype=dtype, device=device, generator=generator).transpose(1, 2)
+        else:
+            x = torch.randn(b, h, length, d, dtype=dtype, device=device, generator=generator)
+        x = x * std
+        return x.requires_grad_(requires_grad) if requires_grad else x
+
+    return make(h_q, n), make(h_kv, m), make(h_kv, m)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| over the finite entries of ``ref`` (float64); inf when x has a NaN or inf there."""
+    ref = ref.detach().double()
+    x = x.detach().double()
+    finite = torch.isfinite(ref)
+    if not torch.isfinite(x[finite]).all():
+        return float("inf")
+    diff = (x[finite] - ref[finite]).norm().item()
+    scale = ref[finite].norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+def assert_close_ratio(name, out, ref, lowp, *, factor=2.0, floor=1e-5):
+    """Assert ``rel_err(out, ref) <= factor * rel_err(lowp, ref) + floor``, and that ``out`` has no NaN.
+
+    ``ref`` is the float64 answer, ``lowp`` PyTorch's own answer in the kernel's precision.
+    Non-finite entries of ``ref`` (an LSE of -inf for a row with no key) must be matched exactly.
+    """
+    assert not torch.isnan(out).any(), f"{name}: NaN in output"
+    finite = torch.isfinite(ref)
+    assert torch.equal(finite, torch.isfinite(out)), f"{name}: non-finite entries differ from the reference"
+    if (~finite).any():
+        assert torch.equal(out[~finite].double(), ref[~finite].double()), f"{name}: infinities differ"
+    err, base = rel_err(out, ref), rel_err(lowp, ref)
+    assert err <= factor * base + floor, f"{name}: error {err:.3e} > {factor} x torch's {base:.3e} + {floor:.0e}"
+    return err, base

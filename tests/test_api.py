@@ -1,0 +1,117 @@
+"""The public API: the input contract, the CPU path through autograd, and the flash_attn-style entry."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import flashattn
+from flashattn.reference import naive_attention
+from flashattn.testing import random_qkv
+
+
+def qkv(n=8, m=8, d=16, h_q=4, h_kv=2, dtype=torch.float32):
+    return random_qkv(1, h_q, h_kv, n, m, d, dtype=dtype, generator=torch.Generator().manual_seed(0))
+
+
+q0, k0, v0 = qkv()
+
+BAD_INPUTS = [
+    # (description, call, exception type, words the message must contain)
+    ("q not a tensor", lambda: flashattn.attention(q0.numpy(), k0, v0), TypeError, ["q", "torch.Tensor"]),
+    ("k not a tensor", lambda: flashattn.attention(q0, [1.0], v0), TypeError, ["k", "torch.Tensor"]),
+    ("q rank 3", lambda: flashattn.attention(q0[0], k0, v0), ValueError, ["q", "4-D"]),
+    ("v rank 5", lambda: flashattn.attention(q0, k0, v0[None]), ValueError, ["v", "4-D"]),
+    ("integer dtype", lambda: flashattn.attention(*(x.long() for x in (q0, k0, v0))), TypeError, ["q", "floating"]),
+    ("dtype mismatch", lambda: flashattn.attention(q0, k0.double(), v0), TypeError, ["dtype", "k"]),
+    ("k/v shape mismatch", lambda: flashattn.attention(q0, k0, v0[:, :, :5]), ValueError, ["k", "v", "shape"]),
+    ("batch mismatch", lambda: flashattn.attention(q0, torch.cat([k0, k0]), torch.cat([v0, v0])), ValueError, ["batch"]),
+    ("head dim mismatch", lambda: flashattn.attention(q0, k0[..., :8], v0[..., :8]), ValueError, ["head dim", "D"]),
+    ("heads not a multiple", lambda: flashattn.attention(*qkv(h_q=4, h_kv=3)), ValueError, ["heads", "multiple"]),
+    ("head dim too small", lambda: flashattn.attention(*qkv(d=8)), ValueError, ["head dim", "16"]),
+    ("head dim too large", lambda: flashattn.attention(*qkv(d=264)), ValueError, ["head dim", "256"]),
+    ("no keys", lambda: flashattn.attention(q0, k0[:, :, :0], v0[:, :, :0]), ValueError, ["key"]),
+    ("no queries", lambda: flashattn.attention(q0[:, :, :0], k0, v0), ValueError, ["query"]),
+    ("NaN scale", lambda: flashattn.attention(q0, k0, v0, scale=float("nan")), ValueError, ["scale"]),
+    ("negative scale", lambda: flashattn.attention(q0, k0, v0, scale=-0.5), ValueError, ["scale", "non-negative"]),
+    ("infinite scale", lambda: flashattn.attention(q0, k0, v0, scale=float("inf")), ValueError, ["scale", "finite"]),
+    ("scale a string", lambda: flashattn.attention(q0, k0, v0, scale="0.1"), TypeError, ["scale"]),
+    ("scale a tensor", lambda: flashattn.attention(q0, k0, v0, scale=torch.tensor(0.1)), TypeError, ["scale"]),
+    ("causal not bool", lambda: flashattn.attention(q0, k0, v0, causal=1), TypeError, ["causal", "bool"]),
+    ("return_lse not bool", lambda: flashattn.attention(q0, k0, v0, return_lse="yes"), TypeError, ["return_lse"]),
+    ("complex dtype", lambda: flashattn.attention(*(x.to(torch.complex64) for x in (q0, k0, v0))), TypeError, ["floating"]),
+    ("meta device", lambda: flashattn.attention(*(x.to("meta") for x in (q0, k0, v0))), ValueError, ["device"]),
+    ("device mismatch", lambda: flashattn.attention(q0, k0.to("meta"), v0), ValueError, ["device", "k"]),
+    ("flash: dropout", lambda: flashattn.flash_attn_func(q0, k0, v0, dropout_p=0.1), ValueError, ["dropout_p"]),
+    ("flash: window", lambda: flashattn.flash_attn_func(q0, k0, v0, window_size=(4, 0)), ValueError, ["window_size"]),
+    ("flash: alibi", lambda: flashattn.flash_attn_func(q0, k0, v0, alibi_slopes=torch.ones(4)), ValueError, ["alibi_slopes"]),
+    ("flash: rank", lambda: flashattn.flash_attn_func(q0[0], k0, v0), ValueError, ["q", "(B, N, H, D)"]),
+]
+
+
+@pytest.mark.parametrize("call,exc,words", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_raises_a_clear_error(call, exc, words):
+    with pytest.raises(exc) as info:
+        call()
+    for word in words:
+        assert word in str(info.value), f"message {str(info.value)!r} does not name {word!r}"
+
+
+def test_import_is_cheap():
+    """Importing flashattn imports no triton (no GPU query, no compilation)."""
+    code = "import sys, flashattn; assert 'triton' not in sys.modules, 'triton imported'; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_path_gradients_match_float64_autograd(causal, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = random_qkv(2, 6, 2, 29, 41, 24, generator=torch.Generator().manual_seed(1), requires_grad=True,
+                         layout="bnhd")
+    o, lse = flashattn.attention(q, k, v, causal=causal, scale=0.2, return_lse=True)
+    assert not lse.requires_grad
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    o_ref, lse_ref = naive_attention(q, k, v, causal, 0.2)
+    grads_ref = torch.autograd.grad(o_ref, (q, k, v), do)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=1e-10)
+    torch.testing.assert_close(lse, lse_ref, rtol=0, atol=1e-10)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-10)
+
+
+def test_default_scale_is_inverse_sqrt_d():
+    q, k, v = qkv(d=40, dtype=torch.float64)
+    torch.testing.assert_close(flashattn.attention(q, k, v), flashattn.attention(q, k, v, scale=1 / math.sqrt(40)))
+
+
+def test_matches_sdpa_is_causal_when_n_equals_m():
+    q, k, v = qkv(n=33, m=33, h_q=2, h_kv=2, dtype=torch.float64)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(flashattn.attention(q, k, v, causal=True), want, rtol=0, atol=1e-12)
+
+
+def test_flash_attn_func_matches_attention():
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 21, 4, 16, dtype=torch.float64, generator=gen)  # (B, N, H, D)
+    k = torch.randn(2, 30, 2, 16, dtype=torch.float64, generator=gen)
+    v = torch.randn(2, 30, 2, 16, dtype=torch.float64, generator=gen)
+    out, lse, probs = flashattn.flash_attn_func(q, k, v, softmax_scale=0.3, causal=True, return_attn_probs=True)
+    want, want_lse = flashattn.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                                         scale=0.3, return_lse=True)
+    assert out.shape == q.shape and probs is None
+    torch.testing.assert_close(out, want.transpose(1, 2), rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_low_precision_cpu_path_keeps_dtype(dtype, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = qkv(n=20, m=24, dtype=dtype)
+    o, lse = flashattn.attention(q, k, v, causal=True, return_lse=True)
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    o_ref = naive_attention(q.double(), k.double(), v.double(), True)[0]
+    assert (o.double() - o_ref).abs().max() < 2e-2
