@@ -1,0 +1,252 @@
+"""The derivations package: every check passes, every negative control is rejected, the runner's exit
+status and JSON say so, a formula broken on purpose is caught, and the errata point at real checks."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import derivations
+from derivations import MODULES
+from derivations.__main__ import main
+from derivations.cost_model import attention_flops
+from derivations.errata import ERRATA
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def runner(tmp_path_factory):
+    """One real run of ``python -m derivations --json PATH``, shared by the tests below."""
+    out = tmp_path_factory.mktemp("derivations") / "checks.json"
+    proc = subprocess.run([sys.executable, "-m", "derivations", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    return proc, json.loads(out.read_text(encoding="utf-8"))
+
+
+def test_runner_exit_status_and_table(runner):
+    proc, payload = runner
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert payload["all_passed"] is True
+    for row in payload["rows"]:
+        assert row["identity"] in proc.stdout
+    assert "10/10 identities pass, 10/10 negative controls rejected" in proc.stdout
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_check_passes_and_rejects_its_negative_control(runner, name):
+    _, payload = runner
+    (row,) = [r for r in payload["rows"] if r["module"] == f"derivations.{name}"]
+    assert row["passed"] and row["result"] == "pass", "\n".join(row["details"])
+    assert row["negative_control_rejected"], "\n".join(row["details"])
+    assert any(line.startswith("rejected") for line in row["details"])
+    assert row["method"] and row["sizes"] and row["negative_control"]
+
+
+def test_json_rows_cover_every_module_in_order(runner):
+    _, payload = runner
+    assert [r["module"] for r in payload["rows"]] == [f"derivations.{m}" for m in MODULES]
+    assert set(payload["rows"][0]) >= {"identity", "method", "sizes", "result", "negative_control_rejected"}
+
+
+def test_json_to_stdout(capsys):
+    assert main(["--only", "cost_model", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["all_passed"] and payload["rows"][0]["module"] == "derivations.cost_model"
+
+
+# ---------------------------------------------------------------- formulas broken on purpose
+
+def _fails(name: str) -> bool:
+    result = importlib.import_module(f"derivations.{name}").check()
+    return not result.passed
+
+
+def test_broken_softmax_backward_is_caught(monkeypatch):
+    from derivations import _common, softmax_backward as mod
+
+    # Drop the normaliser term: the classic wrong softmax backward.
+    monkeypatch.setattr(mod, "softmax_grad",
+                        lambda P, dP: _common.hadamard(P, dP) if hasattr(P, "multiply_elementwise")
+                        else _common.mp_hadamard(P, dP))
+    assert _fails("softmax_backward")
+
+
+def test_broken_matmul_backward_is_caught(monkeypatch):
+    from derivations import matmul_backward as mod
+
+    monkeypatch.setattr(mod, "grad_y", lambda dO, X, Y: -(X.T * dO))  # sign flipped
+    assert _fails("matmul_backward")
+
+
+def test_broken_d_identity_is_caught(monkeypatch):
+    from derivations import _common, d_identity as mod
+
+    monkeypatch.setattr(mod, "delta", lambda dO, O: _common.rowsum(O))
+    assert _fails("d_identity")
+
+
+def test_broken_online_softmax_is_caught(monkeypatch):
+    from derivations import online_softmax as mod
+
+    def no_rescale(state, scores, values, pivot, exp):
+        m, l, acc = state
+        weights = [exp(s - pivot) for s in scores]
+        return pivot, l + sum(weights), [a + sum(w * v[c] for w, v in zip(weights, values))
+                                         for c, a in enumerate(acc)]
+
+    monkeypatch.setattr(mod, "online_step", no_rescale)
+    assert _fails("online_softmax")
+
+
+def test_broken_cost_model_is_caught(monkeypatch):
+    from derivations import cost_model as mod
+
+    dkdv, dq = mod.BACKWARD_TWO_KERNELS
+    monkeypatch.setattr(mod, "BACKWARD_TWO_KERNELS",
+                        (dkdv, mod.Kernel(dq.name, dq.loads, tuple(s for s in dq.body if s.out != "dP"),
+                                          dq.outputs)))
+    assert _fails("cost_model")
+
+
+def test_broken_dropout_is_caught(monkeypatch):
+    from derivations import dropout as mod
+
+    real = mod.dropout_backward
+    monkeypatch.setattr(mod, "dropout_backward",
+                        lambda P, Z, keep, V, dO, O: {**real(P, Z, keep, V, dO, O), "dV": P.T * dO})
+    assert _fails("dropout")
+
+
+def test_broken_masking_fix_is_caught(monkeypatch):
+    from derivations import masking_hazards as mod
+
+    monkeypatch.setattr(mod, "PAD_SCORE_FIX", 0)  # pad keys with 0 instead of −∞
+    assert _fails("masking_hazards")
+
+
+def test_broken_causal_closed_form_is_caught(monkeypatch):
+    from derivations import causal_masking as mod
+
+    monkeypatch.setattr(mod, "visible_pairs", lambda n, m: n * (n + 1) // 2)  # top-left count
+    assert _fails("causal_masking")
+
+
+def test_runner_exits_nonzero_on_a_failed_check(monkeypatch):
+    from derivations import _common, d_identity as mod
+
+    monkeypatch.setattr(mod, "delta", lambda dO, O: _common.rowsum(O))
+    assert main(["--only", "d_identity"]) == 1
+
+
+def test_runner_exits_nonzero_on_an_accepted_negative_control(monkeypatch):
+    from derivations import cost_model as mod
+    from derivations._result import CheckResult
+
+    real = mod.check
+
+    def control_accepted():
+        result = real()
+        return CheckResult(**{**result.to_dict(), "negative_control_rejected": False})
+
+    monkeypatch.setattr(mod, "check", control_accepted)
+    assert main(["--only", "cost_model"]) == 1
+
+
+def test_runner_exits_nonzero_when_a_check_raises(monkeypatch):
+    from derivations import cost_model as mod
+
+    monkeypatch.setattr(mod, "check", lambda: 1 / 0)
+    assert main(["--only", "cost_model"]) == 1
+
+
+# ---------------------------------------------------------------- the FLOP formula of the benchmarks
+
+def _visible_brute(n, m):
+    return sum(1 for i in range(n) for j in range(m) if j <= i + m - n)
+
+
+@pytest.mark.parametrize("n,m", [(1, 1), (7, 7), (5, 12), (12, 5), (64, 64), (1, 100), (100, 1), (33, 65)])
+def test_attention_flops_counts_visible_pairs_exactly(n, m):
+    batch, heads, d = 2, 3, 16
+    full = attention_flops(batch, heads, n, m, d, causal=False, mode="fwd")
+    causal = attention_flops(batch, heads, n, m, d, causal=True, mode="fwd")
+    assert full == 4 * batch * heads * n * m * d
+    assert causal == 4 * batch * heads * d * _visible_brute(n, m)
+    assert isinstance(causal, float)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_flops_modes(causal):
+    fwd = attention_flops(4, 8, 1024, 2048, 128, causal=causal, mode="fwd")
+    assert attention_flops(4, 8, 1024, 2048, 128, causal=causal, mode="bwd") == 2.5 * fwd
+    assert attention_flops(4, 8, 1024, 2048, 128, causal=causal, mode="fwd_bwd") == 3.5 * fwd
+
+
+def test_attention_flops_known_value():
+    # H200 setting of the benchmark page: batch·N = 16k tokens, 2048 hidden = 16 heads of 128.
+    assert attention_flops(1, 16, 16384, 16384, 128, causal=False, mode="fwd") == 4 * 16 * 16384**2 * 128
+    assert attention_flops(1, 1, 4, 4, 1, causal=True, mode="fwd") == 40.0  # 10 visible pairs
+
+
+@pytest.mark.parametrize("kwargs", [dict(mode="forward"), dict(mode="bwd", n=0), dict(mode="fwd", d=-1),
+                                    dict(mode="fwd", batch=1.5)])
+def test_attention_flops_rejects_bad_input(kwargs):
+    args = dict(batch=1, heads=1, n=8, m=8, d=16)
+    args.update({k: v for k, v in kwargs.items() if k != "mode"})
+    with pytest.raises(ValueError):
+        attention_flops(**args, causal=False, mode=kwargs["mode"])
+
+
+# ---------------------------------------------------------------- section markers and errata
+
+MARKER = re.compile(r"^\s*# --8<-- \[(start|end):([\w-]+)\]\s*$")
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_section_markers_are_balanced(name):
+    text = (ROOT / "derivations" / f"{name}.py").read_text(encoding="utf-8")
+    open_sections, seen = [], set()
+    for line in text.splitlines():
+        match = MARKER.match(line)
+        if not match:
+            assert "--8<--" not in line, f"malformed marker: {line!r}"
+            continue
+        kind, section = match.groups()
+        if kind == "start":
+            assert section not in seen, f"section {section} started twice"
+            open_sections.append(section)
+            seen.add(section)
+        else:
+            assert open_sections and open_sections[-1] == section, f"end:{section} does not close a start"
+            open_sections.pop()
+    assert not open_sections, f"unclosed sections {open_sections}"
+    assert {"statement", "proof", "numeric", "negative"} <= seen
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_statement_is_the_module_docstring(name):
+    module = importlib.import_module(f"derivations.{name}")
+    assert module.__doc__ and len(module.__doc__.split()) > 20
+    assert callable(module.check)
+
+
+@pytest.mark.parametrize("erratum", ERRATA, ids=lambda e: e.check + ":" + e.evidence[:30])
+def test_erratum_points_at_a_check_that_shows_it(runner, erratum):
+    _, payload = runner
+    module_name, function = erratum.check.split(":")
+    assert callable(getattr(importlib.import_module(module_name), function))
+    (row,) = [r for r in payload["rows"] if r["module"] == module_name]
+    prefix = "rejected  control: " if erratum.verdict == "rejected" else "ok        "
+    assert prefix + erratum.evidence in row["details"], row["details"]
+    assert erratum.claim and erratum.correction
+
+
+def test_package_lists_ten_identities():
+    assert len(derivations.MODULES) == 10
