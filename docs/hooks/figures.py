@@ -1,0 +1,285 @@
+"""Figures drawn at build time from the code the kernels use.
+
+Every structural figure calls :mod:`flashattn.schedule` (the same functions the Triton kernels wrap
+with ``triton.jit`` and the PyTorch reference loops over), so a change of schedule changes the
+pictures. ``python docs/hooks/figures.py OUTDIR`` writes them as SVG files for a look outside MkDocs.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.colors import ListedColormap  # noqa: E402
+from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from flashattn import schedule  # noqa: E402
+
+COLORS = {
+    schedule.FULL: "#4c9f70",
+    schedule.MASKED: "#f2a541",
+    schedule.SKIPPED: "#e6e6e6",
+}
+LABELS = {
+    schedule.FULL: "full: no mask",
+    schedule.MASKED: "masked: diagonal or ragged edge",
+    schedule.SKIPPED: "skipped: never loaded",
+}
+
+plt.rcParams.update(
+    {
+        "svg.hashsalt": "flashattn",  # stable ids: the same code gives the same file
+        "svg.fonttype": "path",
+        "font.size": 10,
+        "figure.facecolor": "white",  # readable in the dark theme too
+        "axes.facecolor": "white",
+    }
+)
+
+
+def _svg(fig) -> str:
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _legend(ax, kinds=(schedule.FULL, schedule.MASKED, schedule.SKIPPED), **kw):
+    handles = [Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in kinds]
+    ax.legend(handles, [LABELS[k] for k in kinds], **kw)
+
+
+def _grid_axes(ax, n, m, block_m, block_n, title):
+    ax.set_xlim(0, m)
+    ax.set_ylim(n, 0)
+    ax.set_aspect("equal")
+    ax.set_xticks(range(0, m + 1, block_n))
+    ax.set_yticks(range(0, n + 1, block_m))
+    ax.tick_params(labelsize=7)
+    ax.set_xlabel("key index j")
+    ax.set_ylabel("query index i")
+    ax.set_title(title, fontsize=10)
+
+
+def _draw_schedule(ax, n, m, block_m, block_n, causal, title):
+    grid = schedule.block_grid(n, m, block_m, block_n, causal)
+    for bi, row in enumerate(grid):
+        for bj, kind in enumerate(row):
+            sm, sn = bi * block_m, bj * block_n
+            h, w = min(block_m, n - sm), min(block_n, m - sn)
+            ax.add_patch(Rectangle((sn, sm), w, h, facecolor=COLORS[kind], edgecolor="white", lw=1.5))
+    if causal:
+        # The causal boundary: query i sees keys j <= i + (M - N).
+        i = np.array([0, n])
+        ax.plot(i + (m - n) + 1, i, color="black", lw=1.2, ls="--")
+    _grid_axes(ax, n, m, block_m, block_n, title)
+
+
+def causal_schedule() -> str:
+    """Which tiles the forward/dQ loop runs with and without a mask, for three shapes."""
+    bm = bn = 64
+    cases = [
+        (384, 384, "N = M = 384"),
+        (192, 448, "N = 192 < M = 448 (KV cache)"),
+        (448, 256, "N = 448 > M = 256"),
+        (300, 300, "N = M = 300 (ragged edge)"),
+    ]
+    fig, axes = plt.subplots(1, 4, figsize=(15, 4.6))
+    for ax, (n, m, title) in zip(axes, cases):
+        grid = schedule.block_grid(n, m, bm, bn, True)
+        total = sum(len(r) for r in grid)
+        full = sum(r.count(schedule.FULL) for r in grid)
+        ran = total - sum(r.count(schedule.SKIPPED) for r in grid)
+        _draw_schedule(ax, n, m, bm, bn, True, f"{title}\n{ran}/{total} tiles run, {full} unmasked")
+    handles = [Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in COLORS]
+    fig.legend(handles, [LABELS[k] for k in COLORS], loc="lower center", ncol=3, frameon=False,
+               bbox_to_anchor=(0.5, -0.04))
+    fig.suptitle("Causal block schedule (64 × 64 tiles); dashed: the edge of the visible keys", y=1.08)
+    return _svg(fig)
+
+
+def tiling() -> str:
+    """What one program walks: a query block's row (forward, dQ) and a key block's column (dK/dV)."""
+    n = m = 512
+    bm = bn = 64
+    fig, axes = plt.subplots(1, 3, figsize=(16.5, 5.2))
+    fig.subplots_adjust(wspace=0.4)
+
+    # Forward: one program per query block, walking along its row of key blocks.
+    qb = 5
+    sm = qb * bm
+    full_end, hi = schedule.forward_key_range(sm, bm, bn, n, m, True)
+    ax = axes[0]
+    _draw_schedule(ax, n, m, bm, bn, True, f"forward / dQ: program of query block {qb}\n"
+                   f"keys < {full_end} unmasked, < {hi} masked, ≥ {hi} skipped")
+    ax.add_patch(Rectangle((0, sm), m, bm, fill=False, edgecolor="black", lw=2))
+    ax.add_patch(FancyArrowPatch((8, sm + bm / 2), (max(hi - 8, 16), sm + bm / 2), arrowstyle="-|>",
+                                 mutation_scale=14, color="black", lw=1.5))
+
+    # dK/dV: one program per key block, walking down its column of query blocks.
+    kb = 2
+    sn = kb * bn
+    lo, full_start, full_end_q = schedule.backward_query_range(sn, bm, bn, n, m, True)
+    ax = axes[1]
+    _grid_axes(ax, n, m, bm, bn, f"dK / dV: program of key block {kb}\n"
+               f"rows < {lo} skipped, < {full_start} masked, < {full_end_q} unmasked")
+    for start in range(0, n, bm):
+        if start < lo:
+            kind = schedule.SKIPPED
+        elif start < full_start or start >= full_end_q:
+            kind = schedule.MASKED
+        else:
+            kind = schedule.FULL
+        ax.add_patch(Rectangle((sn, start), bn, min(bm, n - start), facecolor=COLORS[kind],
+                               edgecolor="white", lw=1.5))
+    ax.plot([1, n + 1], [0, n], color="black", lw=1.2, ls="--")
+    ax.add_patch(Rectangle((sn, 0), bn, n, fill=False, edgecolor="black", lw=2))
+    ax.add_patch(FancyArrowPatch((sn + bn / 2, lo + 8), (sn + bn / 2, n - 8), arrowstyle="-|>",
+                                 mutation_scale=14, color="black", lw=1.5))
+
+    # Ragged shapes: the last query block of N = 300 only has 300 - 256 rows.
+    n2, m2 = 300, 300
+    _draw_schedule(axes[2], n2, m2, bm, bn, False, "non-causal, N = M = 300: ragged edge only")
+    handles = [Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in COLORS]
+    fig.legend(handles, [LABELS[k] for k in COLORS], loc="lower center", ncol=3, frameon=False,
+               bbox_to_anchor=(0.5, -0.06))
+    return _svg(fig)
+
+
+def pointer_offsets() -> str:
+    """How a block of row-major memory is addressed: offsets, a transposed load, a moving block."""
+    rows, d = 8, 4
+    stride_row, stride_d = d, 1  # a contiguous (rows, d) matrix
+    block = 3
+    offs_d = np.arange(d)
+
+    fig, axes = plt.subplots(1, 3, figsize=(12.5, 4.2), gridspec_kw={"width_ratios": [1, 1.6, 1]})
+
+    # Panel 1: the whole matrix with the address of each element; a block of rows highlighted.
+    ax = axes[0]
+    start = 2
+    offs_m = start + np.arange(block)
+    ptrs = offs_m[:, None] * stride_row + offs_d[None, :] * stride_d  # [block, d]
+    addr = np.arange(rows)[:, None] * stride_row + offs_d[None, :] * stride_d
+    ax.imshow(np.isin(addr, ptrs).astype(float), cmap=ListedColormap(["#f4f4f4", "#8ab6d6"]), vmin=0, vmax=1)
+    for r in range(rows):
+        for c in range(d):
+            ax.text(c, r, str(addr[r, c]), ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(d))
+    ax.set_yticks(range(rows))
+    ax.set_xlabel("column (d)")
+    ax.set_ylabel("row")
+    ax.set_title("Q rows 2..4: offs_m[:, None]*stride + offs_d[None, :]", fontsize=8.5)
+
+    # Panel 2: the transposed load of K: rows of the tile are d, columns are keys.
+    ax = axes[1]
+    offs_n = 1 + np.arange(5)
+    ptrs_t = offs_d[:, None] * stride_d + offs_n[None, :] * stride_row  # [d, block_n]
+    ax.imshow(np.zeros_like(ptrs_t, dtype=float), cmap=ListedColormap(["#fbe3c0"]))
+    for r in range(ptrs_t.shape[0]):
+        for c in range(ptrs_t.shape[1]):
+            ax.text(c, r, str(ptrs_t[r, c]), ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(offs_n)), [str(j) for j in offs_n])
+    ax.set_yticks(range(d))
+    ax.set_xlabel("key j")
+    ax.set_ylabel("d")
+    ax.set_title("Kᵀ tile, keys 1..5: offs_d[:, None] + offs_n[None, :]*stride", fontsize=8.5)
+
+    # Panel 3: moving the block: add block_n * stride to every pointer.
+    ax = axes[2]
+    ax.set_xlim(-0.5, d - 0.5)
+    ax.set_ylim(rows - 0.5, -0.5)
+    for k, color in enumerate(["#8ab6d6", "#b7d7a8", "#f6c6c6"]):
+        s = k * block
+        for r in range(s, min(s + block, rows)):
+            for c in range(d):
+                ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, facecolor=color, edgecolor="white"))
+                ax.text(c, r, str(r * stride_row + c), ha="center", va="center", fontsize=8)
+        ax.text(d - 0.4, s + 0.2, f"step {k}", fontsize=8, va="center")
+    ax.add_patch(Rectangle((-0.5, rows - 0.5), d, 1, facecolor="none", edgecolor="red", ls=":"))
+    ax.set_xticks(range(d))
+    ax.set_yticks(range(rows))
+    ax.set_title("moving block: ptrs += BLOCK * stride\n(rows past the end need a mask)", fontsize=8.5)
+    ax.set_aspect("equal")
+    fig.tight_layout()
+    return _svg(fig)
+
+
+def masking() -> str:
+    """Element masks near the diagonal and the ragged edge, and what a 0-scored padding key does."""
+    n, m, bm, bn = 10, 13, 4, 4
+    n_pad, m_pad = -(-n // bm) * bm, -(-m // bn) * bn
+    kinds = np.zeros((n_pad, m_pad))
+    for i in range(n_pad):
+        for j in range(m_pad):
+            if i >= n or j >= m:
+                kinds[i, j] = 2  # out of range: padding rows/columns of a ragged tile
+            elif not schedule.is_visible(i, j, n, m, True):
+                kinds[i, j] = 1  # in range, hidden by the causal mask
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.3, 1]})
+    ax = axes[0]
+    cmap = ListedColormap(["#4c9f70", "#f2a541", "#c7c7c7"])
+    ax.imshow(kinds, cmap=cmap, vmin=0, vmax=2, extent=(0, m_pad, n_pad, 0))
+    for x in range(0, m_pad + 1, bn):
+        ax.axvline(x, color="white", lw=2)
+    for y in range(0, n_pad + 1, bm):
+        ax.axhline(y, color="white", lw=2)
+    ax.axvline(m, color="black", lw=1, ls=":")
+    ax.axhline(n, color="black", lw=1, ls=":")
+    ax.set_xticks(range(0, m_pad + 1, bn))
+    ax.set_yticks(range(0, n_pad + 1, bm))
+    ax.set_xlabel("key j")
+    ax.set_ylabel("query i")
+    ax.set_title(f"N = {n}, M = {m}, causal, 4 × 4 tiles", fontsize=10)
+    handles = [Rectangle((0, 0), 1, 1, color=c) for c in ("#4c9f70", "#f2a541", "#c7c7c7")]
+    ax.legend(handles, ["visible", "causal: set to −∞", "out of range: keys −∞, rows not stored"],
+              loc="upper left", bbox_to_anchor=(0, -0.12), ncol=3, fontsize=8, frameon=False)
+
+    # One row whose real scores are all negative (base 2), and four padding keys.
+    ax = axes[1]
+    s = np.array([-3.0, -2.5, -4.0, -3.2])
+    pad = 4
+    right = np.exp2(s - s.max()) / np.exp2(s - s.max()).sum()
+    s0 = np.concatenate([s, np.zeros(pad)])  # padding scored 0 instead of -inf
+    wrong = np.exp2(s0 - s0.max()) / np.exp2(s0 - s0.max()).sum()
+    x = np.arange(len(s0))
+    ax.bar(x[: len(s)] - 0.2, right, width=0.4, color="#4c9f70", label="padding = −∞ (right)")
+    ax.bar(x - 0.2 + 0.4, wrong, width=0.4, color="#d1495b", label="padding = 0 (wrong)")
+    ax.axvline(len(s) - 0.5, color="black", ls=":", lw=1)
+    ax.set_xticks(x, [f"k{j}" for j in range(len(s))] + ["pad"] * pad)
+    ax.set_ylabel("softmax weight")
+    ax.set_title("A row with negative scores: padded 0 becomes the max", fontsize=10)
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return _svg(fig)
+
+
+FIGURES = {
+    "causal-schedule": causal_schedule,
+    "tiling": tiling,
+    "pointer-offsets": pointer_offsets,
+    "masking": masking,
+}
+
+
+def render_all():
+    for name, draw in FIGURES.items():
+        yield name, draw()
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "figures")
+    out.mkdir(parents=True, exist_ok=True)
+    for name, svg in render_all():
+        (out / f"{name}.svg").write_text(svg, encoding="utf-8")
+        print(out / f"{name}.svg")
