@@ -1,0 +1,152 @@
+"""Launch configurations: block sizes, warps and pipeline stages per GPU generation.
+
+Nothing here touches the GPU driver at import time. Under Triton's CPU interpreter
+(``TRITON_INTERPRET=1``) every kernel gets one small fixed configuration, so the interpreter tests
+walk several blocks per row and column (diagonal, full and ragged tiles all occur) on tiny shapes.
+On a GPU the table below is indexed by the padded head dimension and by the compute capability;
+autotuning over a pruned set of neighbours is opt-in (``FLASHATTN_AUTOTUNE=1``) and happens at the
+first call for a shape, never at import.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+def is_interpreter() -> bool:
+    """True when Triton runs kernels on the CPU (read at call time, not at import)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("FLASHATTN_AUTOTUNE", "0") not in ("", "0") and not is_interpreter()
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int  # query rows per tile
+    block_n: int  # key rows per tile
+    num_warps: int
+    num_stages: int
+
+    def launch_kwargs(self) -> dict:
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+# Under the interpreter the tiles are small and *unequal* (BLOCK_M != BLOCK_N), so that a schedule
+# bug that only shows when the two differ cannot hide behind square tiles.
+_INTERPRETER = {
+    "fwd": KernelConfig(32, 16, 4, 1),
+    "bwd_dkdv": KernelConfig(16, 32, 4, 1),
+    "bwd_dq": KernelConfig(32, 16, 4, 1),
+}
+
+# Hopper (sm_90): measured on an H200, fp16, B * N = 16k tokens, 16 heads (tools/gpu/NOTES.md).
+# Keyed by (kernel, BLOCK_D); a pair is (non-causal, causal): at D = 128 the causal dK/dV kernel
+# measured 13% faster with 32-row query tiles, the non-causal one 5% faster with 64-row tiles.
+_H64 = {
+    "fwd": (KernelConfig(128, 128, 4, 3), KernelConfig(64, 64, 4, 3)),
+    "bwd_dkdv": KernelConfig(32, 128, 4, 3),
+    "bwd_dq": KernelConfig(64, 64, 4, 3),
+}
+_SM90 = {
+    **{(kernel, block_d): cfg for block_d in (16, 32, 64) for kernel, cfg in _H64.items()},
+    ("fwd", 128): KernelConfig(128, 64, 8, 3),
+    ("fwd", 256): KernelConfig(128, 64, 8, 2),
+    ("bwd_dkdv", 128): (KernelConfig(64, 128, 8, 4), KernelConfig(32, 128, 8, 3)),
+    ("bwd_dkdv", 256): KernelConfig(64, 64, 8, 2),
+    ("bwd_dq", 128): KernelConfig(128, 64, 8, 3),
+    ("bwd_dq", 256): KernelConfig(128, 64, 8, 1),
+}
+
+# Ampere / Ada and anything else: smaller shared memory, so smaller tiles and shallower pipelines.
+# Not measured yet (no such GPU was available): conservative choices that fit 100 KB of shared memory.
+_DEFAULT = {
+    ("fwd", 16): KernelConfig(128, 64, 4, 2),
+    ("fwd", 32): KernelConfig(128, 64, 4, 2),
+    ("fwd", 64): KernelConfig(128, 64, 4, 2),
+    ("fwd", 128): KernelConfig(128, 32, 4, 2),
+    ("fwd", 256): KernelConfig(64, 32, 4, 1),
+    ("bwd_dkdv", 16): KernelConfig(32, 64, 4, 2),
+    ("bwd_dkdv", 32): KernelConfig(32, 64, 4, 2),
+    ("bwd_dkdv", 64): KernelConfig(32, 64, 4, 2),
+    ("bwd_dkdv", 128): KernelConfig(32, 64, 4, 2),
+    ("bwd_dkdv", 256): KernelConfig(16, 32, 4, 1),
+    ("bwd_dq", 16): KernelConfig(64, 32, 4, 2),
+    ("bwd_dq", 32): KernelConfig(64, 32, 4, 2),
+    ("bwd_dq", 64): KernelConfig(64, 32, 4, 2),
+    ("bwd_dq", 128): KernelConfig(64, 32, 4, 2),
+    ("bwd_dq", 256): KernelConfig(32, 16, 4, 1),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+# Tuning scripts (tools/gpu/) pin a configuration here to time it; the package never sets it.
+OVERRIDE: dict[str, KernelConfig] = {}
+
+
+def get_config(kernel: str, block_d: int, device: torch.device, causal: bool = False) -> KernelConfig:
+    """The fixed configuration of ``kernel`` ("fwd", "bwd_dkdv", "bwd_dq") for a padded head dim."""
+    if kernel in OVERRIDE:
+        return OVERRIDE[kernel]
+    if is_interpreter() or device.type != "cuda":
+        return _INTERPRETER[kernel]
+    major, _ = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    table = _SM90 if major == 9 else _DEFAULT
+    entry = table[(kernel, block_d)]
+    return entry[int(causal)] if isinstance(entry, tuple) else entry
+
+
+def tuning_space(kernel: str, block_d: int, device: torch.device, causal: bool) -> list[KernelConfig]:
+    """A pruned neighbourhood of the table entry: the entry itself first, then at most seven variants.
+
+    Same tile with other warps / pipeline depths first, then the tile halved or doubled along one
+    side; tiles past 128 x 128 (128 x 64 at D = 256) are left out, they do not fit shared memory.
+    """
+    base = get_config(kernel, block_d, device, causal)
+    variants = [base]
+    for warps, stages in ((4, 3), (8, 3), (8, 4), (4, 4)):
+        variants.append(KernelConfig(base.block_m, base.block_n, warps, stages))
+    for bm, bn in ((base.block_m, base.block_n * 2), (base.block_m, base.block_n // 2),
+                   (base.block_m // 2, base.block_n), (base.block_m * 2, base.block_n)):
+        if 16 <= bm and 16 <= bn and bm * bn <= (128 * 64 if block_d >= 256 else 128 * 128):
+            variants.append(KernelConfig(bm, bn, base.num_warps, base.num_stages))
+    unique = list(dict.fromkeys(variants))
+    return unique[:8]
+
+
+_TUNED: dict = {}
+
+
+def choose(kernel: str, block_d: int, device: torch.device, causal: bool, key: tuple, launch) -> KernelConfig:
+    """The configuration to launch ``kernel`` with for the problem ``key`` = (N, M, D, causal, dtype, ...).
+
+    Without autotuning this is the fixed table entry. With ``FLASHATTN_AUTOTUNE=1`` on a GPU, the first
+    call for a key times every candidate of :func:`tuning_space` through ``launch(cfg)`` (each launch
+    only overwrites its outputs, so timing them is harmless) and remembers the fastest; later calls,
+    and so every backward pass after the first, reuse it, which keeps results bitwise repeatable.
+    """
+    if not autotune_enabled() or device.type != "cuda" or kernel in OVERRIDE:
+        return get_config(kernel, block_d, device, causal)
+    full_key = (kernel, block_d, device.index) + tuple(key)
+    if full_key not in _TUNED:
+        from triton.testing import do_bench  # imported here: nothing GPU-related at import time
+
+        best, best_ms = None, float("inf")
+        for cfg in tuning_space(kernel, block_d, device, causal):
+            try:
+                ms = do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
+            except Exception:  # a candidate that does not fit (shared memory, registers) is skipped
+                continue
+            if ms < best_ms:
+                best, best_ms = cfg, ms
+        _TUNED[full_key] = best if best is not None else get_config(kernel, block_d, device, causal)
+    return _TUNED[full_key]

@@ -1,0 +1,323 @@
+"""The Triton kernels against the float64 reference.
+
+Without CUDA the kernels run under Triton's CPU interpreter on small shapes (CI); with CUDA the tests
+marked ``gpu`` run the same checks at realistic sizes. A kernel passes when its error against float64
+is at most twice the error PyTorch's own low-precision computation makes, plus a small floor
+(:func:`flashattn.testing.assert_close_ratio`); NaN or inf where the reference is finite never passes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+if not HAS_CUDA:
+    # triton.jit decides at decoration time whether a kernel is interpreted, and Triton's own library
+    # re-checks TRITON_INTERPRET later (at the first launch), so the variable is set for the whole
+    # test process and the kernel modules are (re)imported under it. The public API reads it at call
+    # time: in this process float16/bfloat16 CPU tensors run the kernels under the interpreter.
+    os.environ["TRITON_INTERPRET"] = "1"
+    import flashattn.backward
+    import flashattn.forward
+
+    if type(flashattn.forward._attn_fwd_kernel).__name__ != "InterpretedFunction":
+        importlib.reload(flashattn.forward)
+        importlib.reload(flashattn.backward)
+
+import flashattn  # noqa: E402
+from flashattn.backward import attention_backward  # noqa: E402
+from flashattn.forward import attention_forward  # noqa: E402
+from flashattn.reference import naive_attention  # noqa: E402
+from flashattn.testing import assert_close_ratio, random_qkv, rel_err  # noqa: E402
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+cpu_only = pytest.mark.skipif(HAS_CUDA, reason="interpreter variant; the GPU runs the gpu-marked tests")
+
+
+def _inputs(b, h_q, h_kv, n, m, d, dtype, *, layout="bhnd", std=1.0, seed=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q, k, v = random_qkv(b, h_q, h_kv, n, m, d, dtype=dtype, device=DEVICE, layout=layout, generator=gen, std=std)
+    do = torch.randn(q.shape, dtype=dtype, device=DEVICE, generator=gen)
+    return q, k, v, do
+
+
+def _references(q, k, v, do, causal, scale):
+    """(float64 outputs, PyTorch low-precision outputs): each is (o, lse, dq, dk, dv)."""
+    out = []
+    for dtype in (torch.float64, q.dtype):
+        qr, kr, vr = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
+        o, lse = naive_attention(qr, kr, vr, causal=causal, scale=scale)
+        o.backward(do.to(dtype))
+        out.append((o.detach(), lse.detach(), qr.grad, kr.grad, vr.grad))
+    return out
+
+
+def _check_against_reference(q, k, v, do, causal, scale, *, floor=1e-5):
+    """Run forward and backward kernels, assert the error ratio for each output, return the errors."""
+    o, lse = attention_forward(q, k, v, causal, scale)
+    dq, dk, dv = attention_backward(do, q, k, v, o, lse, causal, scale)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    for name, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.isfinite(x).all(), f"{name}: NaN or inf"
+    assert not torch.isnan(lse).any(), "lse: NaN"
+    ref, lowp = _references(q, k, v, do, causal, scale)
+    errors = {}
+    for name, out, r, lp in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv), ref, lowp):
+        errors[name], _ = assert_close_ratio(name, out, r, lp, floor=floor)
+    return errors, (o, lse, dq, dk, dv)
+
+
+def _empty_rows_are_zero(causal, n, m, o, lse, dq):
+    """Rows with no visible key (causal, N > M): o = 0, lse = -inf, dq = 0."""
+    if causal and n > m:
+        empty = slice(0, n - m)
+        assert (o[:, :, empty] == 0).all()
+        assert (lse[:, :, empty] == float("-inf")).all()
+        assert (dq[:, :, empty] == 0).all()
+        assert torch.isfinite(lse[:, :, n - m:]).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Interpreter (CPU) tests: small shapes, the block sizes of flashattn._config's interpreter entry
+# (BLOCK_M = 32, BLOCK_N = 16 forward and dQ; 16 x 32 dK/dV), so every case walks several blocks.
+# ----------------------------------------------------------------------------------------------
+
+# (B, Hq, Hkv, N, M, D, causal, layout)
+CPU_CASES = [
+    (1, 2, 2, 37, 53, 24, False, "bhnd"),  # ragged N and M, N < M
+    (1, 2, 2, 37, 53, 24, True, "bhnd"),  # causal N < M: every query also sees the prefix
+    (1, 2, 1, 70, 29, 16, True, "bhnd"),  # causal N > M: the first 41 rows see no key; GQA 2
+    (2, 4, 1, 45, 45, 72, True, "bhnd"),  # GQA 4 (multi-query), D = 72 padded to 128
+    (1, 2, 2, 50, 19, 128, False, "bnhd"),  # N > M non-causal, (B, N, H, D) transposed views
+    (1, 4, 2, 33, 64, 128, True, "bnhd"),  # non-contiguous, GQA 2, N < M causal
+    (1, 1, 1, 1, 1, 16, True, "bhnd"),  # the smallest problem
+    (1, 2, 1, 1, 40, 24, True, "bhnd"),  # decoding: one query over a KV cache
+    (1, 2, 2, 64, 48, 16, True, "bhnd"),  # N, M multiples of the blocks: the unmasked paths alone
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "B{}-H{}x{}-N{}-M{}-D{}-{}-{}".format(
+    c[0], c[1], c[2], c[3], c[4], c[5], "causal" if c[6] else "full", c[7]))
+def test_interpreter_matches_float64(case, dtype):
+    b, h_q, h_kv, n, m, d, causal, layout = case
+    q, k, v, do = _inputs(b, h_q, h_kv, n, m, d, dtype, layout=layout)
+    scale = d ** -0.5
+    _, (o, lse, dq, _, _) = _check_against_reference(q, k, v, do, causal, scale)
+    _empty_rows_are_zero(causal, n, m, o, lse, dq)
+
+
+@cpu_only
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_interpreter_large_logits(causal):
+    """Scores scale * q.k near 100 (144 in base 2): exp2 overflows fp32 unless every max is subtracted."""
+    q, k, v, do = _inputs(1, 2, 1, 41, 37, 32, torch.float16, std=4.5, seed=3)
+    scale = 32 ** -0.5
+    s = scale * (q.double() @ k.double().repeat_interleave(2, dim=1).transpose(-1, -2))
+    assert s.abs().max() > 60, "inputs do not produce large logits"
+    _check_against_reference(q, k, v, do, causal, scale)
+
+
+@cpu_only
+def test_interpreter_custom_scale_and_zero_scale():
+    q, k, v, do = _inputs(1, 2, 2, 20, 27, 40, torch.float16, seed=5)
+    _check_against_reference(q, k, v, do, True, 0.37)
+    _check_against_reference(q, k, v, do, False, 0.0)  # uniform attention: every key weighs 1/M
+
+
+def _dirty_views(b, h_q, h_kv, n, m, d, dtype, fill, seed=0):
+    """q, k, v, do as views into larger buffers whose rows past N (q, do) or M (k, v) hold ``fill``."""
+    pad = 40  # more than a block, so any unmasked tile past the edge lands in the dirt
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+
+    def make(h, length):
+        buf = torch.randn(b, h, length + pad, d, dtype=dtype, device=DEVICE, generator=gen)
+        buf[:, :, length:] = fill
+        return buf[:, :, :length]
+
+    return make(h_q, n), make(h_kv, m), make(h_kv, m), make(h_q, n)
+
+
+@pytest.mark.parametrize("fill", [1.0e4, float("nan")], ids=["huge", "nan"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dirty_padding_never_reaches_the_gradients(causal, fill):
+    """Rows past N (and keys past M) must contribute exactly nothing, whatever memory holds there.
+
+    SPEC 7d: if the dK/dV loop let the padding rows of a ragged last query block take part unmasked,
+    a "dirty" row of Q (here 1e4 in every entry, so its base-2 scores run far above 128) would make
+    the recomputed P overflow to inf, and dS = P * (dP - D) = inf * 0 = NaN would reach dK through
+    dS^T Q. The inputs here are views into larger buffers whose rows past N (for Q, dO) and past M
+    (for K, V) are filled with such huge values or with NaN, so a kernel that reads or keeps any of
+    them fails this test with NaN or a wrong answer. The kernels load those rows masked (as zeros)
+    *and* zero their P explicitly, so neither defence relies on the padding happening to be zero.
+    """
+    b, h_q, h_kv, n, m, d = 1, 2, 1, 45, 37, 32
+    if HAS_CUDA:
+        n, m = 1000, 777
+    q, k, v, do = _dirty_views(b, h_q, h_kv, n, m, d, torch.float16, fill)
+    assert not q.is_contiguous()
+    _check_against_reference(q, k, v, do, causal, d ** -0.5)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_public_api_reaches_the_kernels(causal, monkeypatch):
+    """flashattn.attention, through torch.autograd, calls these very kernels forward and backward."""
+    calls = {"fwd": 0, "bwd": 0}
+    fwd, bwd = flashattn.forward.attention_forward, flashattn.backward.attention_backward
+
+    def counting_fwd(*args):
+        calls["fwd"] += 1
+        return fwd(*args)
+
+    def counting_bwd(*args):
+        calls["bwd"] += 1
+        return bwd(*args)
+
+    monkeypatch.setattr(flashattn.forward, "attention_forward", counting_fwd)
+    monkeypatch.setattr(flashattn.backward, "attention_backward", counting_bwd)
+    b, h_q, h_kv, n, m, d = (2, 4, 2, 300, 257, 64) if HAS_CUDA else (1, 2, 1, 21, 30, 16)
+    q, k, v, do = _inputs(b, h_q, h_kv, n, m, d, torch.float16, seed=7)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    o, lse = flashattn.attention(qg, kg, vg, causal=causal, return_lse=True)
+    o.backward(do)
+    assert calls == {"fwd": 1, "bwd": 1}
+    # the same numbers as calling the launchers directly
+    o_k, lse_k = fwd(q, k, v, causal, d ** -0.5)
+    dq_k, dk_k, dv_k = bwd(do, q, k, v, o_k, lse_k, causal, d ** -0.5)
+    assert torch.equal(o, o_k) and torch.equal(lse, lse_k)
+    assert torch.equal(qg.grad, dq_k) and torch.equal(kg.grad, dk_k) and torch.equal(vg.grad, dv_k)
+    # and flash_attn_func's (B, N, H, D) layout reaches them too
+    out = flashattn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+    assert torch.equal(out.transpose(1, 2), o_k)
+
+
+def test_outputs_keep_the_input_layout():
+    """A (B, N, H, D) view gives o and dq in (B, N, H, D) memory too: no hidden transposing copy."""
+    b, h, n, d = (2, 4, 256, 64) if HAS_CUDA else (1, 2, 20, 16)
+    q, k, v, do = _inputs(b, h, h, n, n, d, torch.float16, layout="bnhd")
+    o, lse = attention_forward(q, k, v, False, d ** -0.5)
+    dq, dk, dv = attention_backward(do, q, k, v, o, lse, False, d ** -0.5)
+    for x, ref in ((o, q), (dq, q), (dk, k), (dv, v)):
+        assert x.stride() == ref.stride()
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU tests: realistic sizes, both dtypes.
+# ----------------------------------------------------------------------------------------------
+
+# (B, Hq, Hkv, N, M, D, causal, layout, std)
+GPU_CASES = [
+    (2, 8, 8, 1024, 1024, 128, False, "bhnd", 1.0),
+    (2, 8, 8, 1024, 1024, 128, True, "bhnd", 1.0),
+    (2, 8, 2, 2048, 2048, 64, True, "bnhd", 1.0),  # GQA 4, transposed views
+    (1, 4, 4, 8192, 8192, 64, True, "bhnd", 1.0),  # N = M = 8k
+    (1, 2, 1, 8192, 8192, 128, False, "bhnd", 1.0),
+    (1, 4, 2, 4097, 8191, 256, True, "bhnd", 1.0),  # D = 256, ragged, N < M
+    (1, 4, 2, 3001, 2999, 256, False, "bnhd", 1.0),
+    (1, 8, 2, 8192, 2000, 72, True, "bhnd", 1.0),  # N > M causal: 6192 rows see no key; D = 72
+    (2, 4, 4, 1537, 1023, 96, False, "bhnd", 1.0),
+    (1, 4, 1, 777, 1333, 80, True, "bnhd", 1.0),  # MQA, D = 80
+    (1, 4, 4, 2048, 2048, 16, True, "bhnd", 1.0),  # the smallest head dim
+    (1, 4, 4, 2048, 3000, 128, True, "bhnd", 4.5),  # large logits: scale * score up to ~100
+    (1, 4, 4, 2048, 2048, 64, False, "bhnd", 4.5),
+    (4, 4, 4, 1, 8192, 128, True, "bhnd", 1.0),  # decoding, one query row
+]
+
+
+def _gpu_id(c):
+    return "B{}-H{}x{}-N{}-M{}-D{}-{}-{}{}".format(
+        c[0], c[1], c[2], c[3], c[4], c[5], "causal" if c[6] else "full", c[7], "-large" if c[8] > 1 else "")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=_gpu_id)
+def test_gpu_matches_float64(case, dtype, record_property):
+    b, h_q, h_kv, n, m, d, causal, layout, std = case
+    q, k, v, do = _inputs(b, h_q, h_kv, n, m, d, dtype, layout=layout, std=std)
+    scale = d ** -0.5
+    if std > 1:
+        s_max = (scale * (q[:, :1].float() @ k[:, :1].float().transpose(-1, -2))).abs().max().item()
+        assert s_max > 60, f"inputs do not produce large logits ({s_max:.1f})"
+    errors, (o, lse, dq, _, _) = _check_against_reference(q, k, v, do, causal, scale)
+    _empty_rows_are_zero(causal, n, m, o, lse, dq)
+    for name, err in errors.items():
+        record_property(f"rel_err_{name}", err)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_backward_is_deterministic(causal, dtype):
+    """Two backward passes on the same inputs are bitwise equal (no atomics, fixed reduction order)."""
+    q, k, v, do = _inputs(2, 16, 4, 2048, 2048, 128, dtype, seed=11)
+    o, lse = attention_forward(q, k, v, causal, 128 ** -0.5)
+    first = attention_backward(do, q, k, v, o, lse, causal, 128 ** -0.5)
+    second = attention_backward(do, q, k, v, o, lse, causal, 128 ** -0.5)
+    for a, b_ in zip(first, second):
+        assert torch.equal(a, b_)
+
+
+@gpu
+@needs_cuda
+def test_gpu_poisoned_outputs_are_fully_written():
+    """Every element of o, lse, dq, dk, dv is written: outputs pre-filled with NaN never survive."""
+    q, k, v, do = _inputs(1, 4, 2, 1000, 1100, 72, torch.float16, seed=13)
+    torch.cuda.empty_cache()
+    filler = [torch.full((1 << 24,), float("nan"), device=DEVICE) for _ in range(4)]  # dirty the allocator
+    del filler
+    o, lse = attention_forward(q, k, v, True, 72 ** -0.5)
+    grads = attention_backward(do, q, k, v, o, lse, True, 72 ** -0.5)
+    for x in (o, lse, *grads):
+        assert not torch.isnan(x).any()
+
+
+@gpu
+@needs_cuda
+def test_gpu_long_single_head_runs_in_linear_memory():
+    """N = 131072, one head, D = 128: the N x N matrix (32 GiB in fp16) is never allocated."""
+    n, d = 131072, 128
+    q, k, v, do = _inputs(1, 1, 1, n, n, d, torch.float16, seed=17)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    o, lse = attention_forward(q, k, v, True, d ** -0.5)
+    dq, dk, dv = attention_backward(do, q, k, v, o, lse, True, d ** -0.5)
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < 64 * n * d, f"extra memory {extra / 2**20:.0f} MiB is not O(N)"
+    for x in (o, dq, dk, dv):
+        assert torch.isfinite(x).all()
+    # spot-check the last 128 rows against the definition over all keys
+    rows = torch.arange(n - 128, n, device=DEVICE)
+    s = (q[:, :, rows].double() @ k.double().transpose(-1, -2)) * d ** -0.5  # (1, 1, 128, N)
+    s = s.masked_fill(torch.arange(n, device=DEVICE)[None, :] > rows[:, None], float("-inf"))
+    assert rel_err(o[:, :, rows], torch.softmax(s, dim=-1) @ v.double()) < 1e-2
+    assert rel_err(lse[:, :, rows], torch.logsumexp(s, dim=-1)) < 1e-4
+
+
+@gpu
+@needs_cuda
+def test_gpu_autotuned_path(monkeypatch):
+    """FLASHATTN_AUTOTUNE=1 times the pruned candidates at the first call, then reuses the winner."""
+    from flashattn import _config
+
+    monkeypatch.setenv("FLASHATTN_AUTOTUNE", "1")
+    monkeypatch.setattr(_config, "_TUNED", {})
+    q, k, v, do = _inputs(2, 8, 2, 1500, 1700, 64, torch.float16, seed=19)
+    _check_against_reference(q, k, v, do, True, 64 ** -0.5)
+    assert {key[0] for key in _config._TUNED} == {"fwd", "bwd_dkdv", "bwd_dq"}
+    o, lse = attention_forward(q, k, v, True, 64 ** -0.5)
+    first = attention_backward(do, q, k, v, o, lse, True, 64 ** -0.5)
+    second = attention_backward(do, q, k, v, o, lse, True, 64 ** -0.5)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))

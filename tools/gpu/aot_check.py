@@ -1,0 +1,87 @@
+"""Compile every kernel for sm_90 without a GPU and report registers, stack (spills) and shared memory.
+
+    python tools/gpu/aot_check.py [fp16|bf16] [BM,BN,WARPS,STAGES ...]   # no GPU needed
+
+Uses the Triton installed here (3.9 on the CPU machine; the GPU image has 3.6, so treat the numbers
+as leads).
+Catches compile errors before a device call costs time, and shows which block shapes spill.
+Strides are marked divisible by 16 (as Triton specializes them for contiguous fp16 tensors).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from flashattn import _config, backward, forward
+
+TARGET = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def signature(fn, dtype, consts):
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ("LSE", "DELTA"):
+            sig[name] = "*fp32"
+        elif name.isupper() and len(name) <= 5 and not name.startswith(("H_", "N_")) and name != "GROUP":
+            sig[name] = "*" + dtype
+        elif name in ("qk_scale", "scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def compile_one(fn, dtype, consts, warps, stages):
+    sig = signature(fn, dtype, consts)
+    ptrs_and_strides = [(i,) for i, n in enumerate(fn.arg_names) if sig[n].startswith("*") or n.startswith("stride")]
+    attrs = {idx: [["tt.divisibility", 16]] for idx in ptrs_and_strides}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    k = triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
+    # The bundled ptxas may be older than the PTX Triton emits, so read the cubin Triton built.
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    res = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    regs = re.search(r"REG:(\d+)", res)
+    stack = re.search(r"STACK:(\d+)", res)
+    wgmma = k.asm["ptx"].count("wgmma.mma_async")
+    return k.metadata.shared, int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1, wgmma
+
+
+def main():
+    dtype = sys.argv[1] if len(sys.argv) > 1 else "fp16"
+    jobs = []
+    for d, block_d in ((64, 64), (128, 128), (72, 128), (256, 256), (16, 16)):
+        for causal in (False, True):
+            for kernel, fn in (("fwd", forward._attn_fwd_kernel), ("bwd_dkdv", backward._bwd_dkdv_kernel),
+                               ("bwd_dq", backward._bwd_dq_kernel)):
+                entry = _config._SM90[(kernel, block_d)]
+                cfg = entry[int(causal)] if isinstance(entry, tuple) else entry
+                jobs.append((kernel, fn, d, block_d, causal, cfg))
+    extra = [tuple(map(int, a.split(","))) for a in sys.argv[2:]]  # kernel configs to try at D=128
+    for bm, bn, w, s in extra:
+        for kernel, fn in (("fwd", forward._attn_fwd_kernel), ("bwd_dkdv", backward._bwd_dkdv_kernel),
+                           ("bwd_dq", backward._bwd_dq_kernel)):
+            jobs.append((kernel, fn, 128, 128, True, _config.KernelConfig(bm, bn, w, s)))
+    for kernel, fn, d, block_d, causal, cfg in jobs:
+        consts = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+        try:
+            smem, regs, spill, wg = compile_one(fn, dtype, consts, cfg.num_warps, cfg.num_stages)
+            print(f"{kernel:9s} D={d:3d} causal={causal!s:5s} {cfg}  smem {smem:6d}  regs {regs:3d}  stack {spill:5d}  wgmma {wg}")
+        except Exception as exc:  # noqa: BLE001
+            print(f"{kernel:9s} D={d:3d} causal={causal!s:5s} {cfg}  FAILED {type(exc).__name__}: {str(exc)[:300]}")
+
+
+if __name__ == "__main__":
+    main()
