@@ -147,10 +147,10 @@ def summary_markdown(results) -> str:
             f"Forward: {cfg['forward']}. Backward: {cfg['backward']}. TFLOP/s: `{cfg['flops']}` over the median time.",
             "", "Providers: " + "; ".join(f"`{k}` = {v['label']}" for k, v in results["providers"].items()) + "."]
 
-    out += ["", "### Correctness check", "",
-            f"{cfg['check']}.", "",
-            "| dtype | D | mask | N | provider | rel err o | dq | dk | dv | naive same-dtype o / dq | result |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    checks = ["", "### Correctness check", "",
+              f"{cfg['check']}.", "",
+              "| dtype | D | mask | N | provider | rel err o | dq | dk | dv | naive same-dtype o / dq | result |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in results["checks"]:
         e, b = c.get("rel_err") or {}, c.get("naive_lowp_rel_err") or {}
 
@@ -163,15 +163,17 @@ def summary_markdown(results) -> str:
             result = "**FAILED**"
         else:  # the provider could not run here: not a wrong answer, but no answer
             result = f"{c['status']}: {_md(c['error'])}"
-        out.append(f"| {c['dtype']} | {c['head_dim']} | {_mask(c['causal'])} | {c['seqlen']} | {c['provider']} | "
-                   f"{fmt(e.get('o'))} | {fmt(e.get('dq'))} | {fmt(e.get('dk'))} | {fmt(e.get('dv'))} | "
-                   f"{fmt(b.get('o'))} / {fmt(b.get('dq'))} | {result} |")
+        checks.append(f"| {c['dtype']} | {c['head_dim']} | {_mask(c['causal'])} | {c['seqlen']} | {c['provider']} | "
+                      f"{fmt(e.get('o'))} | {fmt(e.get('dq'))} | {fmt(e.get('dk'))} | {fmt(e.get('dv'))} | "
+                      f"{fmt(b.get('o'))} / {fmt(b.get('dq'))} | {result} |")
 
     out += ["", f"### flashattn / peer, smallest ratio over N ≥ {TARGET_MIN_SEQLEN}", "",
             "TFLOP/s of flashattn over the peer's at the same setting (> 1: flashattn is faster), the smallest over "
             f"N ≥ {TARGET_MIN_SEQLEN} and the N where it occurs. ✓/✗: the issue's targets "
             + ", ".join(f"{PASS_NAMES[p]} ≥ {t:g}× {peer}" for (p, peer), t in TARGETS.items()) + ".", "",
             ratio_table(results)]
+
+    out += checks
 
     out += ["", "### TFLOP/s", "",
             "Each cell: TFLOP/s, and for a peer flashattn's ratio to it. `unsupported`: the backend refused "
