@@ -20,7 +20,7 @@ SNIPPET_REF = re.compile(r'^\s*(?:;\s*)?--8<--\s+"([^"]+)"\s*$', re.M)
 
 
 def marker_problems(text: str, label: str = "<text>") -> list[str]:
-    """Unbalanced, duplicated or misordered ``--8<-- [start:x]`` / ``[end:x]`` markers of one file."""
+    """Unbalanced, duplicated or misordered snippet markers (``--8<--`` start and end lines) of one file."""
     problems = []
     open_at: dict[str, int] = {}
     seen: set[str] = set()
