@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from flashattn.autograd import ReferenceAttention, TritonAttention
+from flashattn.autograd import AttentionFunction
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what the Triton kernels run
@@ -93,8 +93,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     use_kernels = q.is_cuda or (_interpreting() and q.dtype in KERNEL_DTYPES)
-    fn = TritonAttention if use_kernels else ReferenceAttention
-    o, lse = fn.apply(q, k, v, causal, scale)
+    o, lse = AttentionFunction.apply(q, k, v, causal, scale, use_kernels)
     return (o, lse) if return_lse else o
 
 

@@ -23,7 +23,7 @@ from triton.testing import do_bench
 from flashattn import _config, schedule
 from flashattn.backward import attention_backward
 from flashattn.forward import attention_forward
-from flashattn.autograd import TritonAttention
+from flashattn.autograd import AttentionFunction
 
 TOKENS, HEADS = 16384, 16
 
@@ -53,7 +53,7 @@ def providers(causal, n):
     import torch.nn.functional as F
 
     def ours(q, k, v):
-        return TritonAttention.apply(q, k, v, causal, q.shape[-1] ** -0.5)[0]
+        return AttentionFunction.apply(q, k, v, causal, q.shape[-1] ** -0.5, True)[0]
 
     def sdpa(backend):
         def run(q, k, v):
