@@ -45,21 +45,21 @@ _INTERPRETER = {
     "bwd_dq": KernelConfig(32, 16, 4, 1),
 }
 
-# Hopper (sm_90): measured on an H200, fp16, B * N = 16k tokens, 16 heads (tools/gpu/NOTES.md).
-# Keyed by (kernel, BLOCK_D); a pair is (non-causal, causal): at D = 128 the causal dK/dV kernel
-# measured 13% faster with 32-row query tiles, the non-causal one 5% faster with 64-row tiles.
+# Hopper (sm_90): measured on an H200 with the tensor-descriptor kernels, fp16, B * N = 16k tokens,
+# hidden 2048 (tools/gpu/NOTES.md, "TMA pass"). Keyed by (kernel, BLOCK_D); a pair is
+# (non-causal, causal). Causal tiles are smaller where the diagonal makes short rows common.
 _H64 = {
-    "fwd": (KernelConfig(128, 128, 4, 3), KernelConfig(64, 64, 4, 3)),
-    "bwd_dkdv": KernelConfig(32, 128, 4, 3),
-    "bwd_dq": KernelConfig(64, 64, 4, 3),
+    "fwd": (KernelConfig(64, 128, 4, 3), KernelConfig(64, 64, 4, 3)),
+    "bwd_dkdv": (KernelConfig(64, 64, 4, 3), KernelConfig(32, 64, 4, 3)),
+    "bwd_dq": KernelConfig(128, 64, 8, 3),
 }
 _SM90 = {
     **{(kernel, block_d): cfg for block_d in (16, 32, 64) for kernel, cfg in _H64.items()},
-    ("fwd", 128): KernelConfig(128, 64, 8, 3),
+    ("fwd", 128): KernelConfig(128, 128, 8, 3),
     ("fwd", 256): KernelConfig(128, 64, 8, 2),
-    ("bwd_dkdv", 128): (KernelConfig(64, 128, 8, 4), KernelConfig(32, 128, 8, 3)),
+    ("bwd_dkdv", 128): (KernelConfig(64, 128, 8, 3), KernelConfig(32, 128, 8, 3)),
     ("bwd_dkdv", 256): KernelConfig(64, 64, 8, 2),
-    ("bwd_dq", 128): KernelConfig(128, 64, 8, 3),
+    ("bwd_dq", 128): (KernelConfig(128, 64, 8, 4), KernelConfig(128, 64, 8, 3)),
     ("bwd_dq", 256): KernelConfig(128, 64, 8, 1),
 }
 

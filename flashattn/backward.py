@@ -1,7 +1,8 @@
 """The FlashAttention backward pass in Triton: three kernels, no atomics.
 
 1. ``_bwd_preprocess_kernel``: D = rowsum(dO * O), one float per query row. By the D identity it
-   equals rowsum(P * dP), so dS = P * (dP - D) never needs a reduction over the keys.
+   equals rowsum(P * dP), so dS = P * (dP - D) never needs a reduction over the keys. The same pass
+   turns the forward's natural-log LSE into base 2 once per row, so the loops below never do.
 2. ``_bwd_dkdv_kernel``: one program per key block of one K/V head. It loops over the query heads of
    its group and, for each, over the query blocks that can see the key block, recomputing
    P = exp2(s - lse2) from the stored log-sum-exp, and accumulates dV = P^T dO and dK = scale dS^T Q
@@ -11,7 +12,8 @@
    forward and accumulating dQ = scale dS K.
 
 S and dP are recomputed in both (2) and (3): seven matmuls instead of five, the price of never
-adding into the same memory from two programs.
+adding into the same memory from two programs. Tiles are read through tensor descriptors, as in
+:mod:`flashattn.forward`.
 """
 
 from __future__ import annotations
@@ -23,13 +25,12 @@ import triton.language as tl
 from flashattn import _config, schedule
 from flashattn.forward import (
     LOG2E,
+    _addressable,
     _clamp,
     _head_dim_block,
     _interpreter_needs_float32,
-    _addressable,
-    _load_tile,
-    _load_tile_t,
     device_fn,
+    tile_desc,
 )
 
 _fwd_first_masked_key = device_fn(schedule.fwd_first_masked_key)
@@ -43,7 +44,7 @@ PREPROCESS_BLOCK = 64  # rows per program of the D kernel (memory bound: any siz
 # --8<-- [start:bwd-preprocess]
 @triton.jit
 def _bwd_preprocess_kernel(
-    O, DO, DELTA,  #
+    O, DO, LSE, LSE2, DELTA,  #
     stride_ob, stride_oh, stride_on,  #
     stride_dob, stride_doh, stride_don,  #
     H_Q, N_CTX_Q,  #
@@ -64,59 +65,55 @@ def _bwd_preprocess_kernel(
     b_do = tl.load(p_do, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
     # D_i = sum_d dO_id O_id = sum_j P_ij dP_ij: an N x d reduction in place of an N x M one
     b_delta = tl.sum(b_o * b_do, axis=1)  # [BLOCK_M]
-    tl.store(DELTA + i_bh.to(tl.int64) * N_CTX_Q + offs_m, b_delta, mask=offs_m < N_CTX_Q)
+    row0 = i_bh.to(tl.int64) * N_CTX_Q  # lse, lse2 and D are fresh contiguous (B, Hq, N)
+    tl.store(DELTA + row0 + offs_m, b_delta, mask=offs_m < N_CTX_Q)
+    # lse in base 2, the pivot of P = exp2(c * qk - lse2). A row that saw no key stores lse = -inf,
+    # and exp2(s - (-inf)) = inf: such rows lie only in masked tiles, where P is zeroed, so they
+    # pivot at 0 to keep the discarded values finite.
+    b_lse = tl.load(LSE + row0 + offs_m, mask=offs_m < N_CTX_Q, other=0.0)
+    b_lse2 = tl.where(b_lse == float("-inf"), 0.0, b_lse * LOG2E)
+    tl.store(LSE2 + row0 + offs_m, b_lse2, mask=offs_m < N_CTX_Q)
 # --8<-- [end:bwd-preprocess]
 
 
 @triton.jit
-def _load_row_stats(p_lse, p_delta, mask_rows, CHECK_ROWS: tl.constexpr):
-    """Per-row lse (turned into base 2) and D for a block of query rows."""
+def _load_row_stats(p_lse2, p_delta, mask_rows, CHECK_ROWS: tl.constexpr):
+    """Per-row base-2 lse and D for a block of query rows."""
     if CHECK_ROWS:
-        b_lse = tl.load(p_lse, mask=mask_rows, other=0.0)
-        b_delta = tl.load(p_delta, mask=mask_rows, other=0.0)
+        return tl.load(p_lse2, mask=mask_rows, other=0.0), tl.load(p_delta, mask=mask_rows, other=0.0)
     else:
-        b_lse = tl.load(p_lse)
-        b_delta = tl.load(p_delta)
-    # A row that saw no key stores lse = -inf, and exp2(s - (-inf)) = inf: such rows lie only in
-    # masked tiles, where P is zeroed, so they pivot at 0 to keep the discarded values finite.
-    b_lse2 = tl.where(b_lse == float("-inf"), 0.0, b_lse * LOG2E)
-    return b_lse2, b_delta
+        return tl.load(p_lse2), tl.load(p_delta)
 
 
 # --8<-- [start:bwd-dkdv-inner]
 @triton.jit
 def _bwd_dkdv_inner(
     b_dk, b_dv, b_k, b_v,  #
-    p_qt, p_do, p_lse, p_delta, stride_qn, stride_don,  #
-    offs_m, offs_n, mask_d,  #
-    lo, hi, N_CTX_Q, N_CTX_K, qk_scale,  #
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,  #
-    BLOCK_M: tl.constexpr,
+    q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,  #
+    offs_m, offs_n, lo, hi, N_CTX_Q, N_CTX_K, qk_scale,  #
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Add the contributions of the query blocks starting in [lo, hi) to this key block's dK, dV."""
-    p_qt += lo * stride_qn
-    p_do += lo * stride_don
-    p_lse += lo
+    p_lse2 += lo
     p_delta += lo
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m  # [BLOCK_M]
-        mask_rows = rows < N_CTX_Q
-        b_qt = _load_tile_t(p_qt, mask_rows, mask_d, MASKED, not EVEN_D)  # [BLOCK_D, BLOCK_M]
-        b_lse2, b_delta = _load_row_stats(p_lse, p_delta, mask_rows, MASKED)  # [BLOCK_M] each
+        b_q = q_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, b_k.shape[1])  # [BLOCK_M, BLOCK_D]
+        b_lse2, b_delta = _load_row_stats(p_lse2, p_delta, rows < N_CTX_Q, MASKED)  # [BLOCK_M] each
         # --8<-- [start:bwd-recompute-p]
         # Work with the transposes, [BLOCK_N, BLOCK_M], so every product below has the key block's
         # rows first and accumulates straight into dK and dV.
-        s_t = tl.dot(b_k, b_qt) * qk_scale  # base-2 scores
+        s_t = tl.dot(b_k, tl.trans(b_q)) * qk_scale  # base-2 scores
         p_t = tl.exp2(s_t - b_lse2[None, :])  # P = exp(s - lse): the forward's softmax, recomputed
         if MASKED:
-            # Rows past N are zeroed *explicitly*: their Q, dO are loaded as zeros today, but a dirty
+            # Rows past N are zeroed *explicitly*: their Q, dO are read as zeros today, but a dirty
             # padding row (scores above 128 in base 2) would make P = inf and dS = inf * 0 = NaN.
             visible = (rows[None, :] < N_CTX_Q) & (offs_n[:, None] < N_CTX_K)
             if CAUSAL:
                 visible = visible & (offs_n[:, None] <= rows[None, :] + (N_CTX_K - N_CTX_Q))
             p_t = tl.where(visible, p_t, 0.0)
         # --8<-- [end:bwd-recompute-p]
-        b_do = _load_tile(p_do, mask_rows, mask_d, MASKED, not EVEN_D)  # [BLOCK_M, BLOCK_D]
+        b_do = do_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, b_k.shape[1])  # [BLOCK_M, BLOCK_D]
         # --8<-- [start:bwd-dv-accumulate]
         b_dv += tl.dot(p_t.to(b_do.dtype), b_do)  # dV += P^T dO, [BLOCK_N, BLOCK_D]
         # --8<-- [end:bwd-dv-accumulate]
@@ -125,11 +122,9 @@ def _bwd_dkdv_inner(
         ds_t = p_t * (dp_t - b_delta[None, :])  # dS = P * (dP - D), the softmax backward
         # --8<-- [end:bwd-ds]
         # --8<-- [start:bwd-dk-accumulate]
-        b_dk += tl.dot(ds_t.to(b_qt.dtype), tl.trans(b_qt))  # dK += dS^T Q (scale applied once, at the end)
+        b_dk += tl.dot(ds_t.to(b_q.dtype), b_q)  # dK += dS^T Q (scale applied once, at the end)
         # --8<-- [end:bwd-dk-accumulate]
-        p_qt += BLOCK_M * stride_qn
-        p_do += BLOCK_M * stride_don
-        p_lse += BLOCK_M
+        p_lse2 += BLOCK_M
         p_delta += BLOCK_M
     return b_dk, b_dv
 # --8<-- [end:bwd-dkdv-inner]
@@ -138,11 +133,7 @@ def _bwd_dkdv_inner(
 # --8<-- [start:bwd-dkdv-kernel]
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,  #
-    stride_qb, stride_qh, stride_qn,  #
-    stride_kb, stride_kh, stride_kn,  #
-    stride_vb, stride_vh, stride_vn,  #
-    stride_dob, stride_doh, stride_don,  #
+    q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DK, DV,  #
     stride_dkb, stride_dkh, stride_dkn,  #
     stride_dvb, stride_dvh, stride_dvn,  #
     H_Q, H_KV, GROUP, N_CTX_Q, N_CTX_K, qk_scale, scale,  #
@@ -153,7 +144,6 @@ def _bwd_dkdv_kernel(
     i_bh = tl.program_id(1)  # batch * key/value head
     i_b = i_bh // H_KV
     i_hkv = i_bh % H_KV
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
 
     start_n = i_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -162,12 +152,8 @@ def _bwd_dkdv_kernel(
     mask_n = offs_n < N_CTX_K
     mask_d = offs_d < HEAD_DIM
 
-    p_k = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh \
-        + offs_n[:, None] * stride_kn + offs_d[None, :]
-    p_v = V + i_b.to(tl.int64) * stride_vb + i_hkv.to(tl.int64) * stride_vh \
-        + offs_n[:, None] * stride_vn + offs_d[None, :]
-    b_k = _load_tile(p_k, mask_n, mask_d, True, not EVEN_D)  # [BLOCK_N, BLOCK_D]
-    b_v = _load_tile(p_v, mask_n, mask_d, True, not EVEN_D)  # [BLOCK_N, BLOCK_D]
+    b_k = k_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+    b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -187,22 +173,18 @@ def _bwd_dkdv_kernel(
 
     for g in range(0, GROUP):  # the query heads that share this K/V head: summed here, no atomics
         i_hq = i_hkv * GROUP + g
-        p_qt = Q + i_b.to(tl.int64) * stride_qb + i_hq.to(tl.int64) * stride_qh \
-            + offs_m[None, :] * stride_qn + offs_d[:, None]
-        p_do = DO + i_b.to(tl.int64) * stride_dob + i_hq.to(tl.int64) * stride_doh \
-            + offs_m[:, None] * stride_don + offs_d[None, :]
-        row0 = (i_b.to(tl.int64) * H_Q + i_hq) * N_CTX_Q  # lse and D are fresh contiguous (B, Hq, N)
-        p_lse = LSE + row0 + offs_m
+        row0 = (i_b.to(tl.int64) * H_Q + i_hq) * N_CTX_Q  # lse2 and D are fresh contiguous (B, Hq, N)
+        p_lse2 = LSE2 + row0 + offs_m
         p_delta = DELTA + row0 + offs_m
-        b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, p_qt, p_do, p_lse, p_delta, stride_qn, stride_don,
-                                     offs_m, offs_n, mask_d, lo, full_start, N_CTX_Q, N_CTX_K, qk_scale,
-                                     True, CAUSAL, EVEN_D, BLOCK_M)
-        b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, p_qt, p_do, p_lse, p_delta, stride_qn, stride_don,
-                                     offs_m, offs_n, mask_d, full_start, full_end, N_CTX_Q, N_CTX_K, qk_scale,
-                                     False, CAUSAL, EVEN_D, BLOCK_M)
-        b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, p_qt, p_do, p_lse, p_delta, stride_qn, stride_don,
-                                     offs_m, offs_n, mask_d, full_end, N_CTX_Q, N_CTX_Q, N_CTX_K, qk_scale,
-                                     True, CAUSAL, EVEN_D, BLOCK_M)
+        b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
+                                     offs_m, offs_n,
+                                     lo, full_start, N_CTX_Q, N_CTX_K, qk_scale, True, CAUSAL, BLOCK_M)
+        b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
+                                     offs_m, offs_n,
+                                     full_start, full_end, N_CTX_Q, N_CTX_K, qk_scale, False, CAUSAL, BLOCK_M)
+        b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
+                                     offs_m, offs_n,
+                                     full_end, N_CTX_Q, N_CTX_Q, N_CTX_K, qk_scale, True, CAUSAL, BLOCK_M)
 
     b_dk *= scale  # S = scale * Q K^T, so dK = scale * dS^T Q
     p_dk = DK + i_b.to(tl.int64) * stride_dkb + i_hkv.to(tl.int64) * stride_dkh \
@@ -218,34 +200,27 @@ def _bwd_dkdv_kernel(
 # --8<-- [start:bwd-dq-inner]
 @triton.jit
 def _bwd_dq_inner(
-    b_dq, b_q, b_do, b_lse2, b_delta,  #
-    p_kt, p_vt, stride_kn, stride_vn,  #
-    offs_m, offs_n, mask_d,  #
-    lo, hi, N_CTX_Q, N_CTX_K, qk_scale,  #
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,  #
-    BLOCK_N: tl.constexpr,
+    b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv,  #
+    offs_m, offs_n, lo, hi, N_CTX_Q, N_CTX_K, qk_scale,  #
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Add the contributions of the key blocks starting in [lo, hi) to this query block's dQ."""
-    p_kt += lo * stride_kn
-    p_vt += lo * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n  # [BLOCK_N]
-        b_kt = _load_tile_t(p_kt, cols < N_CTX_K, mask_d, MASKED, not EVEN_D)  # [BLOCK_D, BLOCK_N]
-        b_vt = _load_tile_t(p_vt, cols < N_CTX_K, mask_d, MASKED, not EVEN_D)  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(b_q, b_kt) * qk_scale  # [BLOCK_M, BLOCK_N], base 2
+        b_k = k_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, b_q.shape[1])  # [BLOCK_N, BLOCK_D]
+        b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, b_q.shape[1])  # [BLOCK_N, BLOCK_D]
+        s = tl.dot(b_q, tl.trans(b_k)) * qk_scale  # [BLOCK_M, BLOCK_N], base 2
         p = tl.exp2(s - b_lse2[:, None])
         if MASKED:
             visible = (offs_m[:, None] < N_CTX_Q) & (cols[None, :] < N_CTX_K)
             if CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None] + (N_CTX_K - N_CTX_Q))
             p = tl.where(visible, p, 0.0)
-        dp = tl.dot(b_do, b_vt)  # dP = dO V^T, [BLOCK_M, BLOCK_N]
+        dp = tl.dot(b_do, tl.trans(b_v))  # dP = dO V^T, [BLOCK_M, BLOCK_N]
         ds = p * (dp - b_delta[:, None])  # dS = P * (dP - D)
         # --8<-- [start:bwd-dq-accumulate]
-        b_dq += tl.dot(ds.to(b_kt.dtype), tl.trans(b_kt))  # dQ += dS K (scale applied once, at the end)
+        b_dq += tl.dot(ds.to(b_k.dtype), b_k)  # dQ += dS K (scale applied once, at the end)
         # --8<-- [end:bwd-dq-accumulate]
-        p_kt += BLOCK_N * stride_kn
-        p_vt += BLOCK_N * stride_vn
     return b_dq
 # --8<-- [end:bwd-dq-inner]
 
@@ -253,11 +228,7 @@ def _bwd_dq_inner(
 # --8<-- [start:bwd-dq-kernel]
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,  #
-    stride_qb, stride_qh, stride_qn,  #
-    stride_kb, stride_kh, stride_kn,  #
-    stride_vb, stride_vh, stride_vn,  #
-    stride_dob, stride_doh, stride_don,  #
+    q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DQ,  #
     stride_dqb, stride_dqh, stride_dqn,  #
     H_Q, GROUP, N_CTX_Q, N_CTX_K, qk_scale, scale,  #
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
@@ -270,7 +241,6 @@ def _bwd_dq_kernel(
     i_b = i_bh // H_Q
     i_hq = i_bh % H_Q
     i_hkv = i_hq // GROUP
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
 
     start_m = i_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -279,20 +249,11 @@ def _bwd_dq_kernel(
     mask_m = offs_m < N_CTX_Q
     mask_d = offs_d < HEAD_DIM
 
-    p_q = Q + i_b.to(tl.int64) * stride_qb + i_hq.to(tl.int64) * stride_qh \
-        + offs_m[:, None] * stride_qn + offs_d[None, :]
-    p_do = DO + i_b.to(tl.int64) * stride_dob + i_hq.to(tl.int64) * stride_doh \
-        + offs_m[:, None] * stride_don + offs_d[None, :]
-    b_q = _load_tile(p_q, mask_m, mask_d, True, not EVEN_D)  # [BLOCK_M, BLOCK_D]
-    b_do = _load_tile(p_do, mask_m, mask_d, True, not EVEN_D)  # [BLOCK_M, BLOCK_D]
+    b_q = q_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+    b_do = do_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
     row0 = i_bh.to(tl.int64) * N_CTX_Q
-    b_lse2, b_delta = _load_row_stats(LSE + row0 + offs_m, DELTA + row0 + offs_m, mask_m, True)
+    b_lse2, b_delta = _load_row_stats(LSE2 + row0 + offs_m, DELTA + row0 + offs_m, mask_m, True)
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    p_kt = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh \
-        + offs_n[None, :] * stride_kn + offs_d[:, None]
-    p_vt = V + i_b.to(tl.int64) * stride_vb + i_hkv.to(tl.int64) * stride_vh \
-        + offs_n[None, :] * stride_vn + offs_d[:, None]
 
     # The forward's key walk; a ragged last query block masks every tile, like the reference.
     if CAUSAL:
@@ -304,12 +265,10 @@ def _bwd_dq_kernel(
     full_end = full_end // BLOCK_N * BLOCK_N
     full_end = tl.where(start_m + BLOCK_M > N_CTX_Q, 0, full_end)
 
-    b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_kt, p_vt, stride_kn, stride_vn,
-                         offs_m, offs_n, mask_d, 0, full_end, N_CTX_Q, N_CTX_K, qk_scale,
-                         False, CAUSAL, EVEN_D, BLOCK_N)
-    b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_kt, p_vt, stride_kn, stride_vn,
-                         offs_m, offs_n, mask_d, full_end, hi, N_CTX_Q, N_CTX_K, qk_scale,
-                         True, CAUSAL, EVEN_D, BLOCK_N)
+    b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
+                         0, full_end, N_CTX_Q, N_CTX_K, qk_scale, False, CAUSAL, BLOCK_N)
+    b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
+                         full_end, hi, N_CTX_Q, N_CTX_K, qk_scale, True, CAUSAL, BLOCK_N)
 
     b_dq *= scale  # S = scale * Q K^T, so dQ = scale * dS K
     p_dq = DQ + i_b.to(tl.int64) * stride_dqb + i_hq.to(tl.int64) * stride_dqh \
@@ -342,7 +301,9 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     if _interpreter_needs_float32(q):
         grads = attention_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale)
         return tuple(g.to(q.dtype) for g in grads)
-    do, q, k, v, o = (_addressable(x) for x in (do, q, k, v, o))
+    do, q, k, v = (_addressable(x) for x in (do, q, k, v))
+    if o.stride(-1) != 1:
+        o = o.contiguous()  # read with plain loads by the preprocess kernel: any row stride works
     lse = lse.contiguous()
     batch, h_q, n, d = q.shape
     h_kv, m = k.shape[1], k.shape[2]
@@ -354,9 +315,10 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
         return dq.zero_(), dk.zero_(), dv.zero_()
 
     delta = torch.empty((batch, h_q, n), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
     block = 32 if _config.is_interpreter() else PREPROCESS_BLOCK
     _bwd_preprocess_kernel[(triton.cdiv(n, block), batch * h_q)](
-        o, do, delta,
+        o, do, lse, lse2, delta,
         o.stride(0), o.stride(1), o.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
         h_q, n,
@@ -365,11 +327,9 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
 
     def launch_dkdv(cfg: _config.KernelConfig):
         _bwd_dkdv_kernel[(triton.cdiv(m, cfg.block_n), batch * h_kv)](
-            q, k, v, do, lse, delta, dk, dv,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            do.stride(0), do.stride(1), do.stride(2),
+            tile_desc(q, cfg.block_m, block_d), tile_desc(k, cfg.block_n, block_d),
+            tile_desc(v, cfg.block_n, block_d), tile_desc(do, cfg.block_m, block_d),
+            lse2, delta, dk, dv,
             dk.stride(0), dk.stride(1), dk.stride(2),
             dv.stride(0), dv.stride(1), dv.stride(2),
             h_q, h_kv, group, n, m, qk_scale, scale,
@@ -379,11 +339,9 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
 
     def launch_dq(cfg: _config.KernelConfig):
         _bwd_dq_kernel[(triton.cdiv(n, cfg.block_m), batch * h_q)](
-            q, k, v, do, lse, delta, dq,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            do.stride(0), do.stride(1), do.stride(2),
+            tile_desc(q, cfg.block_m, block_d), tile_desc(k, cfg.block_n, block_d),
+            tile_desc(v, cfg.block_n, block_d), tile_desc(do, cfg.block_m, block_d),
+            lse2, delta, dq,
             dq.stride(0), dq.stride(1), dq.stride(2),
             h_q, group, n, m, qk_scale, scale,
             CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d,

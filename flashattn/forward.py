@@ -9,6 +9,16 @@ is all the backward pass needs to recompute P.
 
 Shapes: q (B, Hq, N, D); k, v (B, Hkv, M, D); Hq = GROUP * Hkv and query head ``h`` reads key/value
 head ``h // GROUP``, so grouped-query attention never materializes repeated K/V.
+
+Tiles are read through tensor descriptors: the launcher describes each input as the 4-d tensor
+(B, H, N, D) it is, with its real strides and a block shape of [1, 1, rows, BLOCK_D], and
+``desc.load([b, h, row, 0])`` returns one [rows, BLOCK_D] tile of one head. On Hopper that is one
+TMA copy issued by the hardware instead of one address per thread and element, so the registers
+that used to hold pointer tiles are free for the softmax. Rows past N or M and columns past D come
+back as zeros (the bounds are per dimension, so a tile never runs into the next head); the masks
+below still decide what a score means, the zeros only keep the loads in bounds. Older GPUs get the
+same code lowered to ordinary loads by Triton. Stores stay plain masked stores: they happen once
+per program.
 """
 
 from __future__ import annotations
@@ -49,55 +59,19 @@ def _clamp(x, lo, hi):
     return tl.minimum(tl.maximum(x, lo), hi)
 
 
-@triton.jit
-def _load_tile(ptrs, mask_rows, mask_d, CHECK_ROWS: tl.constexpr, CHECK_D: tl.constexpr):
-    """Load a [rows, BLOCK_D] tile; masks only where the tile can leave the tensor (else full-speed loads)."""
-    if CHECK_ROWS:
-        if CHECK_D:
-            return tl.load(ptrs, mask=mask_rows[:, None] & mask_d[None, :], other=0.0)
-        else:
-            return tl.load(ptrs, mask=mask_rows[:, None], other=0.0)
-    else:
-        if CHECK_D:
-            return tl.load(ptrs, mask=mask_d[None, :], other=0.0)
-        else:
-            return tl.load(ptrs)
-
-
-@triton.jit
-def _load_tile_t(ptrs, mask_rows, mask_d, CHECK_ROWS: tl.constexpr, CHECK_D: tl.constexpr):
-    """Like :func:`_load_tile` for a transposed [BLOCK_D, rows] view of the same memory."""
-    if CHECK_ROWS:
-        if CHECK_D:
-            return tl.load(ptrs, mask=mask_d[:, None] & mask_rows[None, :], other=0.0)
-        else:
-            return tl.load(ptrs, mask=mask_rows[None, :], other=0.0)
-    else:
-        if CHECK_D:
-            return tl.load(ptrs, mask=mask_d[:, None], other=0.0)
-        else:
-            return tl.load(ptrs)
-
-
 # --8<-- [start:fwd-inner]
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, b_q,  #
-    p_kt, p_v, stride_kn, stride_vn,  #
-    offs_m, offs_n, mask_d,  #
-    lo, hi, N_CTX_Q, N_CTX_K, qk_scale,  #
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,  #
-    BLOCK_N: tl.constexpr,
+    acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv,  #
+    offs_m, offs_n, lo, hi, N_CTX_Q, N_CTX_K, qk_scale,  #
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Fold the key blocks starting in [lo, hi) into the online-softmax state of one query block."""
-    p_kt += lo * stride_kn
-    p_v += lo * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n  # [BLOCK_N]
-        # [BLOCK_D, BLOCK_N]: K^T, read straight from K's memory by swapping the offset axes
-        b_kt = _load_tile_t(p_kt, cols < N_CTX_K, mask_d, MASKED, not EVEN_D)
-        # [BLOCK_M, BLOCK_N]: base-2 scores, scale * log2(e) folded into one multiply
-        s = tl.dot(b_q, b_kt) * qk_scale
+        b_k = k_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, b_q.shape[1])  # [BLOCK_N, BLOCK_D]
+        # [BLOCK_M, BLOCK_N]: raw scores q . k; the base-2 scale c = scale * log2(e) comes next
+        qk = tl.dot(b_q, tl.trans(b_k))
         # --8<-- [start:fwd-masks]
         if MASKED:
             # Out-of-range keys go to -inf *before* the row max: a zero-padded key would score 0,
@@ -106,27 +80,29 @@ def _fwd_inner(
             if CAUSAL:
                 # bottom-right alignment: query i sees key j when j <= i + (M - N)
                 visible = visible & (cols[None, :] <= offs_m[:, None] + (N_CTX_K - N_CTX_Q))
-            s = tl.where(visible, s, float("-inf"))
+            s = tl.where(visible, qk * qk_scale, float("-inf"))  # base-2 scores
         # --8<-- [end:fwd-masks]
         # --8<-- [start:fwd-online-update]
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         if MASKED:
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
             # A row that has seen only masked keys has m_new = -inf and -inf - (-inf) = NaN;
             # any finite pivot is exact, so such rows pivot at 0 and keep p = exp2(-inf) = 0.
             m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_pivot[:, None])  # [BLOCK_M, BLOCK_N], every entry <= 1
         else:
-            m_pivot = m_new  # an unmasked tile has a finite score in every row
+            # Every score of an unmasked tile is finite, and c >= 0 (the API checks the scale), so
+            # max(c * qk) = c * max(qk) exactly and the scale joins the subtraction in one fused
+            # multiply-add per score instead of a multiply and a subtract.
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # [BLOCK_M]
+            m_pivot = m_new
+            p = tl.exp2(qk * qk_scale - m_pivot[:, None])  # [BLOCK_M, BLOCK_N]
         alpha = tl.exp2(m_i - m_pivot)  # [BLOCK_M]: rescales the old state to the new pivot
-        p = tl.exp2(s - m_pivot[:, None])  # [BLOCK_M, BLOCK_N], every entry <= 1
         l_i = l_i * alpha + tl.sum(p, 1)
-        # [BLOCK_N, BLOCK_D]
-        b_v = _load_tile(p_v, cols < N_CTX_K, mask_d, MASKED, not EVEN_D)
+        b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, b_q.shape[1])  # [BLOCK_N, BLOCK_D]
         # P is rounded to the input dtype so the second matmul runs on the tensor cores too
         acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
         m_i = m_new
         # --8<-- [end:fwd-online-update]
-        p_kt += BLOCK_N * stride_kn
-        p_v += BLOCK_N * stride_vn
     return acc, l_i, m_i
 # --8<-- [end:fwd-inner]
 
@@ -134,10 +110,7 @@ def _fwd_inner(
 # --8<-- [start:fwd-kernel]
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE,  #
-    stride_qb, stride_qh, stride_qn,  #
-    stride_kb, stride_kh, stride_kn,  #
-    stride_vb, stride_vh, stride_vn,  #
+    q_desc, k_desc, v_desc, O, LSE,  #
     stride_ob, stride_oh, stride_on,  #
     H_Q, GROUP, N_CTX_Q, N_CTX_K, qk_scale,  #
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
@@ -161,15 +134,7 @@ def _attn_fwd_kernel(
     mask_m = offs_m < N_CTX_Q
     mask_d = offs_d < HEAD_DIM
 
-    # 64-bit base offsets: B * H * N * D can pass 2^31 elements
-    p_q = Q + i_b.to(tl.int64) * stride_qb + i_hq.to(tl.int64) * stride_qh \
-        + offs_m[:, None] * stride_qn + offs_d[None, :]
-    p_kt = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh \
-        + offs_n[None, :] * stride_kn + offs_d[:, None]
-    p_v = V + i_b.to(tl.int64) * stride_vb + i_hkv.to(tl.int64) * stride_vh \
-        + offs_n[:, None] * stride_vn + offs_d[None, :]
-
-    b_q = _load_tile(p_q, mask_m, mask_d, True, not EVEN_D)  # [BLOCK_M, BLOCK_D]
+    b_q = q_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max, base 2
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # running unnormalized P V
@@ -184,12 +149,10 @@ def _attn_fwd_kernel(
         hi = N_CTX_K
     full_end = full_end // BLOCK_N * BLOCK_N  # operands are >= 0, so // is a floor in Triton too
 
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_kt, p_v, stride_kn, stride_vn,
-                               offs_m, offs_n, mask_d, 0, full_end, N_CTX_Q, N_CTX_K, qk_scale,
-                               False, CAUSAL, EVEN_D, BLOCK_N)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_kt, p_v, stride_kn, stride_vn,
-                               offs_m, offs_n, mask_d, full_end, hi, N_CTX_Q, N_CTX_K, qk_scale,
-                               True, CAUSAL, EVEN_D, BLOCK_N)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
+                               0, full_end, N_CTX_Q, N_CTX_K, qk_scale, False, CAUSAL, BLOCK_N)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
+                               full_end, hi, N_CTX_Q, N_CTX_K, qk_scale, True, CAUSAL, BLOCK_N)
 
     # --8<-- [start:fwd-lse-epilogue]
     # l_i >= 1 for every row that saw a key (its max contributes exp2(0) = 1), so l_i == 0 marks the
@@ -221,17 +184,42 @@ def _interpreter_needs_float32(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and _config.is_interpreter()
 
 
-def _addressable(x: torch.Tensor) -> torch.Tensor:
-    """``x`` itself when the kernels can address it, else a contiguous copy.
+def _describable(x: torch.Tensor) -> bool:
+    """Whether a tensor descriptor (a TMA copy on Hopper) may read ``x`` in place: the head dim
+    contiguous, and the start and every other stride a multiple of 16 bytes."""
+    size = x.element_size()
+    return (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+            and all(st * size % 16 == 0 for st in x.stride()[:-1]))
 
-    Any batch and head strides work (their offsets are 64-bit). A strided head dim would break
-    16-byte loads, and the row offsets inside one head are 32-bit: a view whose rows are so far
-    apart that (rows - 1) * row stride passes 2^31 is copied to (B, H, N, D), where it is N * D.
+
+def _addressable(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when the kernels can read it through tensor descriptors, else an aligned copy.
+
+    Any layout whose strides are multiples of 16 bytes is read in place: (B, H, N, D), the
+    (B, N, H, D) view of ``flash_attn_func``, slices of a larger buffer. Anything else (a strided
+    head dim, an odd start, or rows of D elements that are not a multiple of 16 bytes, like
+    D = 20 in fp16) is copied into a (B, H, N, D') buffer whose rows are padded to 16 bytes; the
+    returned view still has D columns, so the padding is never read.
     """
-    rows, row_stride = x.shape[-2], x.stride(-2)
-    if x.stride(-1) == 1 and (rows - 1) * row_stride + x.shape[-1] < 2**31:
+    if _describable(x):
         return x
-    return x.contiguous()
+    per_16_bytes = 16 // x.element_size()
+    padded_d = -(-x.shape[-1] // per_16_bytes) * per_16_bytes
+    buffer = torch.empty((*x.shape[:-1], padded_d), dtype=x.dtype, device=x.device)
+    view = buffer[..., : x.shape[-1]]
+    view.copy_(x)
+    return view
+
+
+def tile_desc(x: torch.Tensor, rows: int, block_d: int):
+    """A tensor descriptor of the (B, H, L, D) tensor ``x`` that reads [rows, block_d] tiles of one head.
+
+    Made on the host per launch, so no program spends time building one; ``x`` must pass
+    :func:`_describable` (the launchers call :func:`_addressable` first).
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, block_d])
 
 
 # --8<-- [start:fwd-launch]
@@ -257,10 +245,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     def launch(cfg: _config.KernelConfig):
         grid = (triton.cdiv(n, cfg.block_m), batch * h_q)
         _attn_fwd_kernel[grid](
-            q, k, v, o, lse,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
+            tile_desc(q, cfg.block_m, block_d), tile_desc(k, cfg.block_n, block_d), tile_desc(v, cfg.block_n, block_d),
+            o, lse,
             o.stride(0), o.stride(1), o.stride(2),
             h_q, h_q // h_kv, n, m, scale * LOG2E.value,
             CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d,

@@ -158,8 +158,9 @@ def test_dirty_padding_never_reaches_the_gradients(causal, fill):
     the recomputed P overflow to inf, and dS = P * (dP - D) = inf * 0 = NaN would reach dK through
     dS^T Q. The inputs here are views into larger buffers whose rows past N (for Q, dO) and past M
     (for K, V) are filled with such huge values or with NaN, so a kernel that reads or keeps any of
-    them fails this test with NaN or a wrong answer. The kernels load those rows masked (as zeros)
-    *and* zero their P explicitly, so neither defence relies on the padding happening to be zero.
+    them fails this test with NaN or a wrong answer. The kernels' tensor descriptors end at row N
+    (or M), so those rows read as zeros, *and* their P is zeroed explicitly, so neither defence relies
+    on the padding happening to be zero.
     """
     b, h_q, h_kv, n, m, d = 1, 2, 1, 45, 37, 32
     if HAS_CUDA:
@@ -199,6 +200,42 @@ def test_public_api_reaches_the_kernels(causal, monkeypatch):
     # and flash_attn_func's (B, N, H, D) layout reaches them too
     out = flashattn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
     assert torch.equal(out.transpose(1, 2), o_k)
+
+
+def _misaligned_views(b, h, n, d, dtype, seed=0):
+    """Inputs a tensor descriptor cannot read in place, each a different way."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    odd_start = torch.randn(b * h * n * d + 1, dtype=dtype, device=DEVICE, generator=gen)[1:].view(b, h, n, d)
+    strided_d = torch.randn(b, h, n, 2 * d, dtype=dtype, device=DEVICE, generator=gen)[..., ::2]
+    odd_rows = torch.randn(b, h, n, d + 1, dtype=dtype, device=DEVICE, generator=gen)[..., :d]  # row stride d + 1
+    return odd_start, strided_d, odd_rows
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_inputs_descriptors_cannot_read_are_copied(causal):
+    """TMA needs a 16-byte aligned start and 16-byte multiples for every stride but the last.
+
+    Inputs that break this (an odd start, a strided head dim, rows of an odd number of elements) are
+    copied into padded buffers before the launch; the results must be as exact as for any input.
+    D = 20 in fp16 is a 40-byte row: even the contiguous tensor needs the padded copy.
+    """
+    from flashattn.forward import _addressable, _describable
+
+    b, h, n, d = (1, 4, 1000, 64) if HAS_CUDA else (1, 2, 37, 16)
+    views = _misaligned_views(b, h, n, d, torch.float16)
+    assert not any(_describable(x) for x in views)
+    q, k, v = views
+    do = torch.randn(q.shape, dtype=q.dtype, device=DEVICE)
+    _check_against_reference(q, k, v, do, causal, d ** -0.5)
+    for x in views:
+        copy = _addressable(x)
+        assert _describable(copy) and torch.equal(copy, x)
+
+    q, k, v, do = _inputs(1, 2, 1, 300 if HAS_CUDA else 29, 200 if HAS_CUDA else 23, 20, torch.float16, seed=23)
+    assert not _describable(q) and q.is_contiguous()
+    _check_against_reference(q, k, v, do, causal, 20 ** -0.5)
+    aligned = torch.randn(1, 2, 8, 64, dtype=torch.float16, device=DEVICE)
+    assert _describable(aligned) and _addressable(aligned) is aligned  # no copy when none is needed
 
 
 def test_outputs_keep_the_input_layout():

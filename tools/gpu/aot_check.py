@@ -5,7 +5,8 @@
 Uses the Triton installed here (3.9 on the CPU machine; the GPU image has 3.6, so treat the numbers
 as leads).
 Catches compile errors before a device call costs time, and shows which block shapes spill.
-Strides are marked divisible by 16 (as Triton specializes them for contiguous fp16 tensors).
+Strides are marked divisible by 16 (as Triton specializes them for contiguous fp16 tensors); the
+inputs are host tensor descriptors, as the launchers pass them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def signature(fn, dtype, consts):
     for name in fn.arg_names:
         if name in consts:
             sig[name] = "constexpr"
+        elif name.endswith("_desc"):  # host tensor descriptors of (B, H, L, D), read in [1, 1, rows, BLOCK_D] tiles
+            rows = consts["BLOCK_N"] if name in ("k_desc", "v_desc") else consts["BLOCK_M"]
+            sig[name] = f"tensordesc<{dtype}[1, 1, {rows}, {consts['BLOCK_D']}]>"
         elif name in ("LSE", "DELTA"):
             sig[name] = "*fp32"
         elif name.isupper() and len(name) <= 5 and not name.startswith(("H_", "N_")) and name != "GROUP":
