@@ -37,6 +37,18 @@ class KernelConfig:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
+@dataclass(frozen=True)
+class ByLength:
+    """Two configurations of one kernel, chosen by the number of query rows N."""
+
+    max_short: int  # N up to this uses ``short``
+    short: KernelConfig
+    long: KernelConfig
+
+    def pick(self, n: int | None) -> KernelConfig:
+        return self.short if n is None or n <= self.max_short else self.long
+
+
 # Under the interpreter the tiles are small and *unequal* (BLOCK_M != BLOCK_N), so that a schedule
 # bug that only shows when the two differ cannot hide behind square tiles.
 _INTERPRETER = {
@@ -47,9 +59,11 @@ _INTERPRETER = {
 
 # Hopper (sm_90): measured on an H200 with the tensor-descriptor kernels, fp16, B * N = 16k tokens,
 # hidden 2048 (tools/gpu/NOTES.md, "TMA pass"). Keyed by (kernel, BLOCK_D); a pair is
-# (non-causal, causal). Causal tiles are smaller where the diagonal makes short rows common.
+# (non-causal, causal). Causal tiles are smaller where the diagonal makes short rows common; the
+# causal forward at D <= 64 takes 64 x 64 tiles up to N = 2048 (346 against 335 TFLOP/s at N = 2048)
+# and 64 x 128 above (390 against 379 at N = 8192, 414 against 397 at N = 16384).
 _H64 = {
-    "fwd": (KernelConfig(64, 128, 4, 3), KernelConfig(64, 64, 4, 3)),
+    "fwd": (KernelConfig(64, 128, 4, 3), ByLength(2048, KernelConfig(64, 64, 4, 3), KernelConfig(64, 128, 4, 3))),
     "bwd_dkdv": (KernelConfig(64, 64, 4, 3), KernelConfig(32, 64, 4, 3)),
     "bwd_dq": KernelConfig(128, 64, 8, 3),
 }
@@ -93,25 +107,32 @@ def _capability(device_index: int) -> tuple[int, int]:
 OVERRIDE: dict[str, KernelConfig] = {}
 
 
-def get_config(kernel: str, block_d: int, device: torch.device, causal: bool = False) -> KernelConfig:
-    """The fixed configuration of ``kernel`` ("fwd", "bwd_dkdv", "bwd_dq") for a padded head dim."""
+def get_config(kernel: str, block_d: int, device: torch.device, causal: bool = False,
+               n: int | None = None) -> KernelConfig:
+    """The fixed configuration of ``kernel`` ("fwd", "bwd_dkdv", "bwd_dq") for a padded head dim and N rows."""
     if kernel in OVERRIDE:
         return OVERRIDE[kernel]
     if is_interpreter() or device.type != "cuda":
         return _INTERPRETER[kernel]
     major, _ = _capability(device.index if device.index is not None else torch.cuda.current_device())
     table = _SM90 if major == 9 else _DEFAULT
-    entry = table[(kernel, block_d)]
-    return entry[int(causal)] if isinstance(entry, tuple) else entry
+    return resolve(table[(kernel, block_d)], causal, n)
 
 
-def tuning_space(kernel: str, block_d: int, device: torch.device, causal: bool) -> list[KernelConfig]:
+def resolve(entry, causal: bool, n: int | None) -> KernelConfig:
+    """One table entry (a config, a (non-causal, causal) pair, or :class:`ByLength`) for one problem."""
+    entry = entry[int(causal)] if isinstance(entry, tuple) else entry
+    return entry.pick(n) if isinstance(entry, ByLength) else entry
+
+
+def tuning_space(kernel: str, block_d: int, device: torch.device, causal: bool,
+                 n: int | None = None) -> list[KernelConfig]:
     """A pruned neighbourhood of the table entry: the entry itself first, then at most seven variants.
 
     Same tile with other warps / pipeline depths first, then the tile halved or doubled along one
     side; tiles past 128 x 128 (128 x 64 at D = 256) are left out, they do not fit shared memory.
     """
-    base = get_config(kernel, block_d, device, causal)
+    base = get_config(kernel, block_d, device, causal, n)
     variants = [base]
     for warps, stages in ((4, 3), (8, 3), (8, 4), (4, 4)):
         variants.append(KernelConfig(base.block_m, base.block_n, warps, stages))
@@ -134,19 +155,20 @@ def choose(kernel: str, block_d: int, device: torch.device, causal: bool, key: t
     only overwrites its outputs, so timing them is harmless) and remembers the fastest; later calls,
     and so every backward pass after the first, reuse it, which keeps results bitwise repeatable.
     """
+    n = key[0] if key else None
     if not autotune_enabled() or device.type != "cuda" or kernel in OVERRIDE:
-        return get_config(kernel, block_d, device, causal)
+        return get_config(kernel, block_d, device, causal, n)
     full_key = (kernel, block_d, device.index) + tuple(key)
     if full_key not in _TUNED:
         from triton.testing import do_bench  # imported here: nothing GPU-related at import time
 
         best, best_ms = None, float("inf")
-        for cfg in tuning_space(kernel, block_d, device, causal):
+        for cfg in tuning_space(kernel, block_d, device, causal, n):
             try:
                 ms = do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
             except Exception:  # a candidate that does not fit (shared memory, registers) is skipped
                 continue
             if ms < best_ms:
                 best, best_ms = cfg, ms
-        _TUNED[full_key] = best if best is not None else get_config(kernel, block_d, device, causal)
+        _TUNED[full_key] = best if best is not None else get_config(kernel, block_d, device, causal, n)
     return _TUNED[full_key]

@@ -248,6 +248,24 @@ def test_outputs_keep_the_input_layout():
         assert x.stride() == ref.stride()
 
 
+def test_every_table_entry_resolves_to_a_launchable_config():
+    """Each GPU table entry gives one config per (causal, N); tiles are powers of two and fit the rules."""
+    from flashattn import _config
+
+    for table in (_config._SM90, _config._DEFAULT):
+        for (kernel, block_d), entry in table.items():
+            for causal in (False, True):
+                for n in (1, 2048, 2049, 16384):
+                    cfg = _config.resolve(entry, causal, n)
+                    assert isinstance(cfg, _config.KernelConfig), (kernel, block_d, causal, n)
+                    for size in (cfg.block_m, cfg.block_n):
+                        assert size >= 16 and size & (size - 1) == 0
+                    assert cfg.num_warps in (4, 8) and 1 <= cfg.num_stages <= 4
+    by_length = _config.ByLength(2048, _config.KernelConfig(64, 64, 4, 3), _config.KernelConfig(64, 128, 4, 3))
+    assert by_length.pick(2048).block_n == 64 and by_length.pick(2049).block_n == 128
+    assert by_length.pick(None).block_n == 64
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU tests: realistic sizes, both dtypes.
 # ----------------------------------------------------------------------------------------------

@@ -89,17 +89,20 @@ SPACES = {  # pruned with tools/gpu/aot_check.py: none of these overflows shared
 
 
 def run_sweep(args):
+    spaces = SPACES
+    if args.space:  # e.g. '{"64": {"fwd": [[64, 128, 4, 3]]}}'
+        spaces = {int(d): {k: [tuple(c) for c in v] for k, v in ks.items()} for d, ks in json.loads(args.space).items()}
     rows = []
     timer = measure.do_bench_timer(warmup=10, rep=40)
-    for d in args.d:
+    for d in (args.d if not args.space else spaces):
         for n in args.n:
-            for causal in (False, True):
+            for causal in map(bool, args.causal):
                 s = grid.make_setting(args.dtype, d, causal, n)
                 q, k, v, do = (x.detach() for x in measure.make_inputs(s, "cuda"))
                 scale = d ** -0.5
                 _config.OVERRIDE.clear()
                 o, lse = attention_forward(q, k, v, causal, scale)
-                for kernel, space in SPACES[d].items():
+                for kernel, space in spaces[d].items():
                     for cfg in space:
                         _config.OVERRIDE.clear()
                         _config.OVERRIDE[kernel] = _config.KernelConfig(*cfg)
@@ -127,6 +130,8 @@ def main():
     parser.add_argument("--d", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--n", type=int, nargs="+", default=[2048, 16384])
     parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--causal", type=int, nargs="+", default=[0, 1], help="1 for causal, 0 for not")
+    parser.add_argument("--space", default="", help="JSON {head_dim: {kernel: [[BM, BN, warps, stages], ...]}}")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     env = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,

@@ -71,8 +71,8 @@ def main():
             for kernel, fn in (("fwd", forward._attn_fwd_kernel), ("bwd_dkdv", backward._bwd_dkdv_kernel),
                                ("bwd_dq", backward._bwd_dq_kernel)):
                 entry = _config._SM90[(kernel, block_d)]
-                cfg = entry[int(causal)] if isinstance(entry, tuple) else entry
-                jobs.append((kernel, fn, d, block_d, causal, cfg))
+                for cfg in dict.fromkeys(_config.resolve(entry, causal, n) for n in (2048, 16384)):
+                    jobs.append((kernel, fn, d, block_d, causal, cfg))
     extra = [tuple(map(int, a.split(","))) for a in sys.argv[2:]]  # kernel configs to try at D=128
     for bm, bn, w, s in extra:
         for kernel, fn in (("fwd", forward._attn_fwd_kernel), ("bwd_dkdv", backward._bwd_dkdv_kernel),
