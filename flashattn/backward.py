@@ -29,12 +29,11 @@ from flashattn.forward import (
     _clamp,
     _head_dim_block,
     _interpreter_needs_float32,
+    _key_walk,
     device_fn,
     tile_desc,
 )
 
-_fwd_first_masked_key = device_fn(schedule.fwd_first_masked_key)
-_fwd_end_visible_key = device_fn(schedule.fwd_end_visible_key)
 _bwd_first_seeing_query = device_fn(schedule.bwd_first_seeing_query)
 _bwd_first_full_query = device_fn(schedule.bwd_first_full_query)
 
@@ -91,14 +90,14 @@ def _bwd_dkdv_inner(
     b_dk, b_dv, b_k, b_v,  #
     q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,  #
     offs_m, offs_n, lo, hi, N_CTX_Q, N_CTX_K, qk_scale,  #
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Add the contributions of the query blocks starting in [lo, hi) to this key block's dK, dV."""
     p_lse2 += lo
     p_delta += lo
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m  # [BLOCK_M]
-        b_q = q_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, b_k.shape[1])  # [BLOCK_M, BLOCK_D]
+        b_q = q_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
         b_lse2, b_delta = _load_row_stats(p_lse2, p_delta, rows < N_CTX_Q, MASKED)  # [BLOCK_M] each
         # --8<-- [start:bwd-recompute-p]
         # Work with the transposes, [BLOCK_N, BLOCK_M], so every product below has the key block's
@@ -113,7 +112,7 @@ def _bwd_dkdv_inner(
                 visible = visible & (offs_n[:, None] <= rows[None, :] + (N_CTX_K - N_CTX_Q))
             p_t = tl.where(visible, p_t, 0.0)
         # --8<-- [end:bwd-recompute-p]
-        b_do = do_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, b_k.shape[1])  # [BLOCK_M, BLOCK_D]
+        b_do = do_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
         # --8<-- [start:bwd-dv-accumulate]
         b_dv += tl.dot(p_t.to(b_do.dtype), b_do)  # dV += P^T dO, [BLOCK_N, BLOCK_D]
         # --8<-- [end:bwd-dv-accumulate]
@@ -177,14 +176,14 @@ def _bwd_dkdv_kernel(
         p_lse2 = LSE2 + row0 + offs_m
         p_delta = DELTA + row0 + offs_m
         b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
-                                     offs_m, offs_n,
-                                     lo, full_start, N_CTX_Q, N_CTX_K, qk_scale, True, CAUSAL, BLOCK_M)
+                                     offs_m, offs_n, lo, full_start, N_CTX_Q, N_CTX_K, qk_scale,
+                                     True, CAUSAL, BLOCK_M, BLOCK_D)
         b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
-                                     offs_m, offs_n,
-                                     full_start, full_end, N_CTX_Q, N_CTX_K, qk_scale, False, CAUSAL, BLOCK_M)
+                                     offs_m, offs_n, full_start, full_end, N_CTX_Q, N_CTX_K, qk_scale,
+                                     False, CAUSAL, BLOCK_M, BLOCK_D)
         b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
-                                     offs_m, offs_n,
-                                     full_end, N_CTX_Q, N_CTX_Q, N_CTX_K, qk_scale, True, CAUSAL, BLOCK_M)
+                                     offs_m, offs_n, full_end, N_CTX_Q, N_CTX_Q, N_CTX_K, qk_scale,
+                                     True, CAUSAL, BLOCK_M, BLOCK_D)
 
     b_dk *= scale  # S = scale * Q K^T, so dK = scale * dS^T Q
     p_dk = DK + i_b.to(tl.int64) * stride_dkb + i_hkv.to(tl.int64) * stride_dkh \
@@ -202,13 +201,13 @@ def _bwd_dkdv_kernel(
 def _bwd_dq_inner(
     b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv,  #
     offs_m, offs_n, lo, hi, N_CTX_Q, N_CTX_K, qk_scale,  #
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Add the contributions of the key blocks starting in [lo, hi) to this query block's dQ."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n  # [BLOCK_N]
-        b_k = k_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, b_q.shape[1])  # [BLOCK_N, BLOCK_D]
-        b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, b_q.shape[1])  # [BLOCK_N, BLOCK_D]
+        b_k = k_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(b_q, tl.trans(b_k)) * qk_scale  # [BLOCK_M, BLOCK_N], base 2
         p = tl.exp2(s - b_lse2[:, None])
         if MASKED:
@@ -256,19 +255,13 @@ def _bwd_dq_kernel(
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # The forward's key walk; a ragged last query block masks every tile, like the reference.
-    if CAUSAL:
-        full_end = _clamp(_fwd_first_masked_key(start_m, N_CTX_Q, N_CTX_K), 0, N_CTX_K)
-        hi = _clamp(_fwd_end_visible_key(start_m, BLOCK_M, N_CTX_Q, N_CTX_K), 0, N_CTX_K)
-    else:
-        full_end = N_CTX_K
-        hi = N_CTX_K
-    full_end = full_end // BLOCK_N * BLOCK_N
+    full_end, hi = _key_walk(start_m, N_CTX_Q, N_CTX_K, CAUSAL, BLOCK_M, BLOCK_N)
     full_end = tl.where(start_m + BLOCK_M > N_CTX_Q, 0, full_end)
 
     b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
-                         0, full_end, N_CTX_Q, N_CTX_K, qk_scale, False, CAUSAL, BLOCK_N)
+                         0, full_end, N_CTX_Q, N_CTX_K, qk_scale, False, CAUSAL, BLOCK_N, BLOCK_D)
     b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
-                         full_end, hi, N_CTX_Q, N_CTX_K, qk_scale, True, CAUSAL, BLOCK_N)
+                         full_end, hi, N_CTX_Q, N_CTX_K, qk_scale, True, CAUSAL, BLOCK_N, BLOCK_D)
 
     b_dq *= scale  # S = scale * Q K^T, so dQ = scale * dS K
     p_dq = DQ + i_b.to(tl.int64) * stride_dqb + i_hq.to(tl.int64) * stride_dqh \

@@ -59,17 +59,32 @@ def _clamp(x, lo, hi):
     return tl.minimum(tl.maximum(x, lo), hi)
 
 
+@triton.jit
+def _key_walk(start_m, N_CTX_Q, N_CTX_K, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key blocks of the query block starting at ``start_m``, from the schedule: those starting in
+    [0, full_end) are visible to every row, [full_end, hi) straddle the causal diagonal or the ragged
+    key edge, and [hi, M) are never visited. Shared by the forward and the dQ kernel."""
+    if CAUSAL:
+        full_end = _clamp(_fwd_first_masked_key(start_m, N_CTX_Q, N_CTX_K), 0, N_CTX_K)
+        hi = _clamp(_fwd_end_visible_key(start_m, BLOCK_M, N_CTX_Q, N_CTX_K), 0, N_CTX_K)
+    else:
+        full_end = N_CTX_K
+        hi = N_CTX_K
+    full_end = full_end // BLOCK_N * BLOCK_N  # operands are >= 0, so // is a floor in Triton too
+    return full_end, hi
+
+
 # --8<-- [start:fwd-inner]
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv,  #
     offs_m, offs_n, lo, hi, N_CTX_Q, N_CTX_K, qk_scale,  #
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Fold the key blocks starting in [lo, hi) into the online-softmax state of one query block."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n  # [BLOCK_N]
-        b_k = k_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, b_q.shape[1])  # [BLOCK_N, BLOCK_D]
+        b_k = k_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
         # [BLOCK_M, BLOCK_N]: raw scores q . k; the base-2 scale c = scale * log2(e) comes next
         qk = tl.dot(b_q, tl.trans(b_k))
         # --8<-- [start:fwd-masks]
@@ -98,7 +113,7 @@ def _fwd_inner(
             p = tl.exp2(qk * qk_scale - m_pivot[:, None])  # [BLOCK_M, BLOCK_N]
         alpha = tl.exp2(m_i - m_pivot)  # [BLOCK_M]: rescales the old state to the new pivot
         l_i = l_i * alpha + tl.sum(p, 1)
-        b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, b_q.shape[1])  # [BLOCK_N, BLOCK_D]
+        b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
         # P is rounded to the input dtype so the second matmul runs on the tensor cores too
         acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
         m_i = m_new
@@ -141,18 +156,12 @@ def _attn_fwd_kernel(
 
     # The block schedule: key blocks in [0, full_end) are visible to every row of this query block,
     # [full_end, hi) straddle the causal diagonal or the ragged key edge, [hi, M) are never visited.
-    if CAUSAL:
-        full_end = _clamp(_fwd_first_masked_key(start_m, N_CTX_Q, N_CTX_K), 0, N_CTX_K)
-        hi = _clamp(_fwd_end_visible_key(start_m, BLOCK_M, N_CTX_Q, N_CTX_K), 0, N_CTX_K)
-    else:
-        full_end = N_CTX_K
-        hi = N_CTX_K
-    full_end = full_end // BLOCK_N * BLOCK_N  # operands are >= 0, so // is a floor in Triton too
+    full_end, hi = _key_walk(start_m, N_CTX_Q, N_CTX_K, CAUSAL, BLOCK_M, BLOCK_N)
 
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
-                               0, full_end, N_CTX_Q, N_CTX_K, qk_scale, False, CAUSAL, BLOCK_N)
+                               0, full_end, N_CTX_Q, N_CTX_K, qk_scale, False, CAUSAL, BLOCK_N, BLOCK_D)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
-                               full_end, hi, N_CTX_Q, N_CTX_K, qk_scale, True, CAUSAL, BLOCK_N)
+                               full_end, hi, N_CTX_Q, N_CTX_K, qk_scale, True, CAUSAL, BLOCK_N, BLOCK_D)
 
     # --8<-- [start:fwd-lse-epilogue]
     # l_i >= 1 for every row that saw a key (its max contributes exp2(0) = 1), so l_i == 0 marks the
