@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashattn import schedule
+
 
 def is_interpreter() -> bool:
     """True when Triton runs kernels on the CPU (read at call time, not at import)."""
@@ -105,6 +107,29 @@ def _capability(device_index: int) -> tuple[int, int]:
 
 # Tuning scripts (tools/gpu/) pin a configuration here to time it; the package never sets it.
 OVERRIDE: dict[str, KernelConfig] = {}
+
+
+# Tuning scripts pin the causal launch order's heads per group here; the package never sets it.
+HEADS_PER_GROUP: int | None = None
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def causal_heads_per_group(n_heads: int, n_blocks: int, device: torch.device) -> int:
+    """Heads per group of the causal launch order (:func:`flashattn.schedule.launch_order`).
+
+    A group holds about two waves of programs on a GPU (twice its SM count). Under the interpreter a
+    group holds up to 8 programs, so the small test shapes put several heads in one group.
+    """
+    if HEADS_PER_GROUP is not None:
+        return schedule.heads_per_group(n_heads, n_blocks, HEADS_PER_GROUP * n_blocks)
+    if is_interpreter() or device.type != "cuda":
+        return schedule.heads_per_group(n_heads, n_blocks, 8)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return schedule.heads_per_group(n_heads, n_blocks, 2 * _sm_count(index))
 
 
 def get_config(kernel: str, block_d: int, device: torch.device, causal: bool = False,

@@ -28,6 +28,7 @@ from flashattn.forward import (
     _addressable,
     _clamp,
     _head_dim_block,
+    _causal_program,
     _interpreter_needs_float32,
     _key_walk,
     device_fn,
@@ -135,12 +136,15 @@ def _bwd_dkdv_kernel(
     q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DK, DV,  #
     stride_dkb, stride_dkh, stride_dkn,  #
     stride_dvb, stride_dvh, stride_dvn,  #
-    H_Q, H_KV, GROUP, N_CTX_Q, N_CTX_K, qk_scale, scale,  #
+    H_Q, H_KV, GROUP, N_CTX_Q, N_CTX_K, qk_scale, scale, HEADS_PER_GROUP,  #
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    i_n = tl.program_id(0)  # key block
-    i_bh = tl.program_id(1)  # batch * key/value head
+    if CAUSAL:
+        i_n, i_bh = _causal_program(HEADS_PER_GROUP)  # the first key block is seen by the most rows
+    else:
+        i_n = tl.program_id(0)  # key block
+        i_bh = tl.program_id(1)  # batch * key/value head
     i_b = i_bh // H_KV
     i_hkv = i_bh % H_KV
 
@@ -229,14 +233,16 @@ def _bwd_dq_inner(
 def _bwd_dq_kernel(
     q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DQ,  #
     stride_dqb, stride_dqh, stride_dqn,  #
-    H_Q, GROUP, N_CTX_Q, N_CTX_K, qk_scale, scale,  #
+    H_Q, GROUP, N_CTX_Q, N_CTX_K, qk_scale, scale, HEADS_PER_GROUP,  #
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    i_m = tl.program_id(0)  # query block
     if CAUSAL:
-        i_m = tl.num_programs(0) - 1 - i_m  # the longest key walks first, as in the forward
-    i_bh = tl.program_id(1)  # batch * query head
+        rank, i_bh = _causal_program(HEADS_PER_GROUP)
+        i_m = tl.num_programs(0) - 1 - rank  # the longest key walks first, as in the forward
+    else:
+        i_m = tl.program_id(0)  # query block
+        i_bh = tl.program_id(1)  # batch * query head
     i_b = i_bh // H_Q
     i_hq = i_bh % H_Q
     i_hkv = i_hq // GROUP
@@ -318,25 +324,30 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block,
     )
 
+    def heads_per_group(grid):
+        return _config.causal_heads_per_group(grid[1], grid[0], q.device) if causal else 1
+
     def launch_dkdv(cfg: _config.KernelConfig):
-        _bwd_dkdv_kernel[(triton.cdiv(m, cfg.block_n), batch * h_kv)](
+        grid = (triton.cdiv(m, cfg.block_n), batch * h_kv)
+        _bwd_dkdv_kernel[grid](
             tile_desc(q, cfg.block_m, block_d), tile_desc(k, cfg.block_n, block_d),
             tile_desc(v, cfg.block_n, block_d), tile_desc(do, cfg.block_m, block_d),
             lse2, delta, dk, dv,
             dk.stride(0), dk.stride(1), dk.stride(2),
             dv.stride(0), dv.stride(1), dv.stride(2),
-            h_q, h_kv, group, n, m, qk_scale, scale,
+            h_q, h_kv, group, n, m, qk_scale, scale, heads_per_group(grid),
             CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d,
             **cfg.launch_kwargs(),
         )
 
     def launch_dq(cfg: _config.KernelConfig):
-        _bwd_dq_kernel[(triton.cdiv(n, cfg.block_m), batch * h_q)](
+        grid = (triton.cdiv(n, cfg.block_m), batch * h_q)
+        _bwd_dq_kernel[grid](
             tile_desc(q, cfg.block_m, block_d), tile_desc(k, cfg.block_n, block_d),
             tile_desc(v, cfg.block_n, block_d), tile_desc(do, cfg.block_m, block_d),
             lse2, delta, dq,
             dq.stride(0), dq.stride(1), dq.stride(2),
-            h_q, group, n, m, qk_scale, scale,
+            h_q, group, n, m, qk_scale, scale, heads_per_group(grid),
             CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d,
             **cfg.launch_kwargs(),
         )

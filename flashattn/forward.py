@@ -52,6 +52,7 @@ def device_fn(fn):
 
 _fwd_first_masked_key = device_fn(schedule.fwd_first_masked_key)
 _fwd_end_visible_key = device_fn(schedule.fwd_end_visible_key)
+_launch_order = device_fn(schedule.launch_order)
 
 
 @triton.jit
@@ -72,6 +73,18 @@ def _key_walk(start_m, N_CTX_Q, N_CTX_K, CAUSAL: tl.constexpr, BLOCK_M: tl.const
         hi = N_CTX_K
     full_end = full_end // BLOCK_N * BLOCK_N  # operands are >= 0, so // is a floor in Triton too
     return full_end, hi
+
+
+@triton.jit
+def _causal_program(heads_per_group):
+    """(rank, batch * head) of this program in the schedule's longest-first launch order.
+
+    The grid is (blocks, batch * heads); its programs launch in the order of the linear index below.
+    Shared by the three causal kernels; rank 0 is the block with the most tiles to walk.
+    """
+    n_blocks = tl.num_programs(0)
+    pid = tl.program_id(1) * n_blocks + tl.program_id(0)
+    return _launch_order(pid, n_blocks, heads_per_group)
 
 
 # --8<-- [start:fwd-inner]
@@ -127,16 +140,18 @@ def _fwd_inner(
 def _attn_fwd_kernel(
     q_desc, k_desc, v_desc, O, LSE,  #
     stride_ob, stride_oh, stride_on,  #
-    H_Q, GROUP, N_CTX_Q, N_CTX_K, qk_scale,  #
+    H_Q, GROUP, N_CTX_Q, N_CTX_K, qk_scale, HEADS_PER_GROUP,  #
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    i_m = tl.program_id(0)  # query block
     if CAUSAL:
-        # Causal rows late in the sequence see the most keys: launch those blocks first, so the
+        # Causal rows late in the sequence see the most keys: those blocks launch first, so the
         # short ones fill the gaps at the end of the grid instead of the long ones trailing alone.
-        i_m = tl.num_programs(0) - 1 - i_m
-    i_bh = tl.program_id(1)  # batch * query head
+        rank, i_bh = _causal_program(HEADS_PER_GROUP)
+        i_m = tl.num_programs(0) - 1 - rank  # query block
+    else:
+        i_m = tl.program_id(0)  # query block
+        i_bh = tl.program_id(1)  # batch * query head
     i_b = i_bh // H_Q
     i_hq = i_bh % H_Q
     i_hkv = i_hq // GROUP  # the K/V head this query head shares with its group
@@ -253,11 +268,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 
     def launch(cfg: _config.KernelConfig):
         grid = (triton.cdiv(n, cfg.block_m), batch * h_q)
+        heads_per_group = _config.causal_heads_per_group(grid[1], grid[0], q.device) if causal else 1
         _attn_fwd_kernel[grid](
             tile_desc(q, cfg.block_m, block_d), tile_desc(k, cfg.block_n, block_d), tile_desc(v, cfg.block_n, block_d),
             o, lse,
             o.stride(0), o.stride(1), o.stride(2),
-            h_q, h_q // h_kv, n, m, scale * LOG2E.value,
+            h_q, h_q // h_kv, n, m, scale * LOG2E.value, heads_per_group,
             CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d,
             **cfg.launch_kwargs(),
         )

@@ -22,6 +22,8 @@ schedule, not three.
 
 from __future__ import annotations
 
+import functools
+
 FULL = "full"
 MASKED = "masked"
 SKIPPED = "skipped"
@@ -105,6 +107,41 @@ def backward_query_range(start_n: int, block_m: int, block_n: int, n: int, m: in
     full_start = max(full_start, lo)
     return lo, full_start, max(full_end, full_start)
 # --8<-- [end:backward-range]
+
+
+# --8<-- [start:launch-order]
+def launch_order(pid, n_blocks, heads_per_group):
+    """Which block of which (batch, head) the ``pid``-th launched program of a causal kernel takes.
+
+    Returns ``(rank, head)``; rank 0 is the block with the most work (the last query block in the
+    forward and dQ, the first key block in dK/dV). The heads go in groups of ``heads_per_group``
+    (which must divide the number of heads); inside a group every head's rank 0 launches before any
+    rank 1, and so on. The GPU starts programs roughly in launch order, so the long blocks start
+    early and the short ones fill the gaps at the end, while each group is small enough that the
+    heads in flight share the L2 cache. ``heads_per_group = 1`` is one head after the other.
+    Only ``//``, ``*``, ``+`` and ``-`` on non-negative integers: the kernels run this function.
+    """
+    per_group = n_blocks * heads_per_group
+    group = pid // per_group
+    r = pid - group * per_group
+    rank = r // heads_per_group
+    head = group * heads_per_group + r - rank * heads_per_group
+    return rank, head
+# --8<-- [end:launch-order]
+
+
+@functools.lru_cache(maxsize=256)
+def heads_per_group(n_heads: int, n_blocks: int, programs: int) -> int:
+    """The largest divisor ``g`` of ``n_heads`` with ``g * n_blocks <= programs`` (at least 1).
+
+    ``programs`` is how many programs a group should hold: about two waves of the GPU is enough
+    for the longest-first order to even out the end of the grid.
+    """
+    best = 1
+    for g in range(1, n_heads + 1):
+        if n_heads % g == 0 and g * n_blocks <= programs:
+            best = g
+    return best
 
 
 def classify_block(

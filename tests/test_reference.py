@@ -197,6 +197,21 @@ def test_schedule_is_exact(n, m, block_m, block_n, causal):
         assert lo % block_m == 0 and full_start % block_m == 0 and lo <= full_start <= full_end <= n
 
 
+@settings(max_examples=200, deadline=None)
+@given(n_heads=st.integers(1, 40), n_blocks=st.integers(1, 40), programs=st.integers(1, 600))
+def test_launch_order_visits_every_block_once_longest_first(n_heads, n_blocks, programs):
+    """The causal launch order is a permutation of the grid, and inside a group no program of rank r
+    launches before every program of a lower rank has."""
+    g = schedule.heads_per_group(n_heads, n_blocks, programs)
+    assert n_heads % g == 0 and (g == 1 or g * n_blocks <= programs)
+    order = [schedule.launch_order(pid, n_blocks, g) for pid in range(n_heads * n_blocks)]
+    assert sorted(order) == [(r, h) for r in range(n_blocks) for h in range(n_heads)]
+    for pid, (rank, head) in enumerate(order):
+        group_start = head // g * g * n_blocks
+        assert group_start <= pid < group_start + g * n_blocks  # a head stays inside its group
+        assert rank == (pid - group_start) // g  # ranks rise one step per g programs
+
+
 def test_reference_constants():
     assert reference.LOG2E == pytest.approx(1 / math.log(2), abs=0)
     assert reference.LN2 == pytest.approx(math.log(2), abs=0)

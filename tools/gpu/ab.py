@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 tools/gpu/ab.py ab    [--out DIR]   # new vs baseline vs SDPA flash / cuDNN / Flex
     PYTHONPATH=. python3 tools/gpu/ab.py sweep [--out DIR]   # launch configurations of the new kernels
+    PYTHONPATH=. python3 tools/gpu/ab.py order [--out DIR]   # heads per group of the causal launch order
 
 The baseline is a copy of the committed kernels in ``tools/gpu/baseline_kernels`` (made with
 ``git show HEAD:flashattn/forward.py``), so both versions are timed in the same process on the same GPU.
@@ -124,9 +125,37 @@ def run_sweep(args):
     return rows
 
 
+def run_order(args):
+    """Causal kernels under several heads-per-group values of the launch order (None: the package's own)."""
+    settings = [grid.make_setting(args.dtype, d, True, n) for d in args.d for n in args.n]
+    peers = ("flex", "sdpa_flash")
+    print(precompile_flex(settings, workers=8, timeout_s=180), flush=True)
+    timer = measure.do_bench_timer(warmup=25, rep=100)
+    rows = []
+    for s in settings:
+        inputs = measure.make_inputs(s, "cuda")
+        for g in [None, 1, 2, 4, 8, 16, 32, 64] + list(peers):
+            name = g if isinstance(g, str) else "flashattn"
+            _config.HEADS_PER_GROUP = None if isinstance(g, str) else g
+            fn = providers_mod.PROVIDERS[name].prepare(s, "cuda")
+            try:
+                ms_f = measure.time_forward(fn, inputs, timer)
+                ms_b = measure.time_backward(fn, inputs, timer)
+            except Exception as exc:  # noqa: BLE001
+                print(f"{name} {g} {s}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            tf_f, tf_b = measure.tflops(s, "fwd", ms_f)[1], measure.tflops(s, "bwd", ms_b)[1]
+            rows.append(dict(provider=name, heads_per_group=g, d=s.head_dim, n=s.seqlen, fwd_ms=ms_f, bwd_ms=ms_b,
+                             fwd_tflops=tf_f, bwd_tflops=tf_b))
+            print(f"{name:10s} G={g!s:10s} D={s.head_dim:3d} N={s.seqlen:6d} fwd {tf_f:6.1f} bwd {tf_b:6.1f} TF/s",
+                  flush=True)
+    _config.HEADS_PER_GROUP = None
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["ab", "sweep"])
+    parser.add_argument("mode", choices=["ab", "sweep", "order"])
     parser.add_argument("--d", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--n", type=int, nargs="+", default=[2048, 16384])
     parser.add_argument("--dtype", default="float16")
@@ -137,7 +166,7 @@ def main():
     env = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
                python=sys.version.split()[0], date=time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()))
     print(env, flush=True)
-    rows = dict(ab=run_ab, sweep=run_sweep)[args.mode](args)
+    rows = dict(ab=run_ab, sweep=run_sweep, order=run_order)[args.mode](args)
     with open(os.path.join(args.out, f"{args.mode}.json"), "w") as f:
         json.dump(dict(env=env, rows=rows), f, indent=1)
 
