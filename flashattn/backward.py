@@ -104,6 +104,10 @@ def _bwd_dkdv_inner(
         # Work with the transposes, [BLOCK_N, BLOCK_M], so every product below has the key block's
         # rows first and accumulates straight into dK and dV.
         s_t = tl.dot(b_k, tl.trans(b_q)) * qk_scale  # base-2 scores
+        b_do = do_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+        # dP^T = V dO^T, [BLOCK_N, BLOCK_M]: issued before the exponentials, which need only s_t,
+        # so the tensor cores work on it while the exponentials run
+        dp_t = tl.dot(b_v, tl.trans(b_do))
         p_t = tl.exp2(s_t - b_lse2[None, :])  # P = exp(s - lse): the forward's softmax, recomputed
         if MASKED:
             # Rows past N are zeroed *explicitly*: their Q, dO are read as zeros today, but a dirty
@@ -113,12 +117,10 @@ def _bwd_dkdv_inner(
                 visible = visible & (offs_n[:, None] <= rows[None, :] + (N_CTX_K - N_CTX_Q))
             p_t = tl.where(visible, p_t, 0.0)
         # --8<-- [end:bwd-recompute-p]
-        b_do = do_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
         # --8<-- [start:bwd-dv-accumulate]
         b_dv += tl.dot(p_t.to(b_do.dtype), b_do)  # dV += P^T dO, [BLOCK_N, BLOCK_D]
         # --8<-- [end:bwd-dv-accumulate]
         # --8<-- [start:bwd-ds]
-        dp_t = tl.dot(b_v, tl.trans(b_do))  # dP^T = V dO^T, [BLOCK_N, BLOCK_M]
         ds_t = p_t * (dp_t - b_delta[None, :])  # dS = P * (dP - D), the softmax backward
         # --8<-- [end:bwd-ds]
         # --8<-- [start:bwd-dk-accumulate]
@@ -213,13 +215,13 @@ def _bwd_dq_inner(
         b_k = k_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
         b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(b_q, tl.trans(b_k)) * qk_scale  # [BLOCK_M, BLOCK_N], base 2
+        dp = tl.dot(b_do, tl.trans(b_v))  # dP = dO V^T, [BLOCK_M, BLOCK_N], issued before the exponentials
         p = tl.exp2(s - b_lse2[:, None])
         if MASKED:
             visible = (offs_m[:, None] < N_CTX_Q) & (cols[None, :] < N_CTX_K)
             if CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None] + (N_CTX_K - N_CTX_Q))
             p = tl.where(visible, p, 0.0)
-        dp = tl.dot(b_do, tl.trans(b_v))  # dP = dO V^T, [BLOCK_M, BLOCK_N]
         ds = p * (dp - b_delta[:, None])  # dS = P * (dP - D)
         # --8<-- [start:bwd-dq-accumulate]
         b_dq += tl.dot(ds.to(b_k.dtype), b_k)  # dQ += dS K (scale applied once, at the end)
