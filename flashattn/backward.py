@@ -105,8 +105,9 @@ def _bwd_dkdv_inner(
         # rows first and accumulates straight into dK and dV.
         s_t = tl.dot(b_k, tl.trans(b_q)) * qk_scale  # base-2 scores
         b_do = do_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
-        # dP^T = V dO^T, [BLOCK_N, BLOCK_M]: issued before the exponentials, which need only s_t,
-        # so the tensor cores work on it while the exponentials run
+        # dP^T = V dO^T, [BLOCK_N, BLOCK_M], does not need P, so it goes to the tensor cores before the
+        # exponentials: the compiled loop runs some of them while this product is in flight, and the
+        # dV and dK products below then issue back to back (tools/gpu/NOTES.md, "dP first")
         dp_t = tl.dot(b_v, tl.trans(b_do))
         p_t = tl.exp2(s_t - b_lse2[None, :])  # P = exp(s - lse): the forward's softmax, recomputed
         if MASKED:
@@ -215,7 +216,7 @@ def _bwd_dq_inner(
         b_k = k_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
         b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(b_q, tl.trans(b_k)) * qk_scale  # [BLOCK_M, BLOCK_N], base 2
-        dp = tl.dot(b_do, tl.trans(b_v))  # dP = dO V^T, [BLOCK_M, BLOCK_N], issued before the exponentials
+        dp = tl.dot(b_do, tl.trans(b_v))  # dP = dO V^T, [BLOCK_M, BLOCK_N], before the exponentials too
         p = tl.exp2(s - b_lse2[:, None])
         if MASKED:
             visible = (offs_m[:, None] < N_CTX_Q) & (cols[None, :] < N_CTX_K)
