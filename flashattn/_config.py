@@ -109,7 +109,8 @@ def _capability(device_index: int) -> tuple[int, int]:
 OVERRIDE: dict[str, KernelConfig] = {}
 
 
-# Tuning scripts pin the causal launch order's heads per group here; the package never sets it.
+# Tuning scripts cap the causal launch order's heads per group here (the largest divisor of B * H up
+# to this value is used); the package never sets it.
 HEADS_PER_GROUP: int | None = None
 
 

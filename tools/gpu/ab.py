@@ -4,8 +4,15 @@
     PYTHONPATH=. python3 tools/gpu/ab.py sweep [--out DIR]   # launch configurations of the new kernels
     PYTHONPATH=. python3 tools/gpu/ab.py order [--out DIR]   # heads per group of the causal launch order
 
-The baseline is a copy of the committed kernels in ``tools/gpu/baseline_kernels`` (made with
-``git show HEAD:flashattn/forward.py``), so both versions are timed in the same process on the same GPU.
+The baseline is a copy of the committed kernels in ``tools/gpu/baseline_kernels`` (git-ignored; pass it
+to the device with ``carry``), so both versions are timed in the same process on the same GPU. Make it
+with ``git show HEAD:flashattn/X.py > tools/gpu/baseline_kernels/X.py`` for X in forward, backward and
+_config, then point the two kernel files at the copied table::
+
+    sed -i 's/^from flashattn import _config, schedule/from flashattn import schedule\nfrom tools.gpu.baseline_kernels import _config/' \
+        tools/gpu/baseline_kernels/forward.py tools/gpu/baseline_kernels/backward.py
+
+Without the last step a table change in the working tree would change the baseline too.
 Settings, inputs, timer and FLOP count are the benchmark harness's (:mod:`benchmarks`).
 """
 
