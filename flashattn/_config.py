@@ -119,12 +119,16 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def causal_heads_per_group(n_heads: int, n_blocks: int, device: torch.device) -> int:
-    """Heads per group of the causal launch order (:func:`flashattn.schedule.launch_order`).
+def heads_per_group(grid: tuple[int, int], device: torch.device, causal: bool) -> int:
+    """Heads per group of the causal launch order (:func:`flashattn.schedule.launch_order`) for a
+    (blocks, batch * heads) grid; 1 without a mask, where the kernels launch in grid order.
 
     A group holds about two waves of programs on a GPU (twice its SM count). Under the interpreter a
     group holds up to 8 programs, so the small test shapes put several heads in one group.
     """
+    n_blocks, n_heads = grid
+    if not causal:
+        return 1
     if HEADS_PER_GROUP is not None:
         return schedule.heads_per_group(n_heads, n_blocks, HEADS_PER_GROUP * n_blocks)
     if is_interpreter() or device.type != "cuda":

@@ -327,9 +327,6 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block,
     )
 
-    def heads_per_group(grid):
-        return _config.causal_heads_per_group(grid[1], grid[0], q.device) if causal else 1
-
     def launch_dkdv(cfg: _config.KernelConfig):
         grid = (triton.cdiv(m, cfg.block_n), batch * h_kv)
         _bwd_dkdv_kernel[grid](
@@ -338,7 +335,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
             lse2, delta, dk, dv,
             dk.stride(0), dk.stride(1), dk.stride(2),
             dv.stride(0), dv.stride(1), dv.stride(2),
-            h_q, h_kv, group, n, m, qk_scale, scale, heads_per_group(grid),
+            h_q, h_kv, group, n, m, qk_scale, scale, _config.heads_per_group(grid, q.device, causal),
             CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d,
             **cfg.launch_kwargs(),
         )
@@ -350,7 +347,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
             tile_desc(v, cfg.block_n, block_d), tile_desc(do, cfg.block_m, block_d),
             lse2, delta, dq,
             dq.stride(0), dq.stride(1), dq.stride(2),
-            h_q, group, n, m, qk_scale, scale, heads_per_group(grid),
+            h_q, group, n, m, qk_scale, scale, _config.heads_per_group(grid, q.device, causal),
             CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d,
             **cfg.launch_kwargs(),
         )

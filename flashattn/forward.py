@@ -268,12 +268,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 
     def launch(cfg: _config.KernelConfig):
         grid = (triton.cdiv(n, cfg.block_m), batch * h_q)
-        heads_per_group = _config.causal_heads_per_group(grid[1], grid[0], q.device) if causal else 1
         _attn_fwd_kernel[grid](
             tile_desc(q, cfg.block_m, block_d), tile_desc(k, cfg.block_n, block_d), tile_desc(v, cfg.block_n, block_d),
             o, lse,
             o.stride(0), o.stride(1), o.stride(2),
-            h_q, h_q // h_kv, n, m, scale * LOG2E.value, heads_per_group,
+            h_q, h_q // h_kv, n, m, scale * LOG2E.value, _config.heads_per_group(grid, q.device, causal),
             CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d,
             **cfg.launch_kwargs(),
         )

@@ -54,6 +54,14 @@ def _baseline_fn(causal):
     return Baseline.apply
 
 
+def _time_passes(fn, s, inputs, timer) -> dict:
+    """Forward and backward of ``fn`` on one setting: medians in ms and TFLOP/s by the harness's count."""
+    ms_f = measure.time_forward(fn, inputs, timer)
+    ms_b = measure.time_backward(fn, inputs, timer)
+    return dict(fwd_ms=ms_f, bwd_ms=ms_b, fwd_tflops=measure.tflops(s, "fwd", ms_f)[1],
+                bwd_tflops=measure.tflops(s, "bwd", ms_b)[1])
+
+
 def run_ab(args):
     settings = [grid.make_setting(args.dtype, d, c, n) for d in args.d for c in (False, True) for n in args.n]
     print(precompile_flex(settings, workers=8, timeout_s=180), flush=True)
@@ -72,17 +80,13 @@ def run_ab(args):
                     o = fn(q, k, v).float()
                 ref = o if ref is None else ref
                 diff = ((o - ref).norm() / ref.norm()).item()
-                ms_f = measure.time_forward(fn, inputs, timer)
-                ms_b = measure.time_backward(fn, inputs, timer)
+                t = _time_passes(fn, s, inputs, timer)
             except Exception as exc:  # noqa: BLE001
                 print(f"{name} {s}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 continue
-            tf_f = measure.tflops(s, "fwd", ms_f)[1]
-            tf_b = measure.tflops(s, "bwd", ms_b)[1]
-            rows.append(dict(provider=name, d=s.head_dim, n=s.seqlen, causal=s.causal, fwd_ms=ms_f, bwd_ms=ms_b,
-                             fwd_tflops=tf_f, bwd_tflops=tf_b, diff_vs_new=diff))
-            print(f"{name:10s} D={s.head_dim:3d} N={s.seqlen:6d} causal={s.causal!s:5s} fwd {tf_f:6.1f} bwd {tf_b:6.1f} "
-                  f"TF/s  diff {diff:.1e}", flush=True)
+            rows.append(dict(provider=name, d=s.head_dim, n=s.seqlen, causal=s.causal, diff_vs_new=diff, **t))
+            print(f"{name:10s} D={s.head_dim:3d} N={s.seqlen:6d} causal={s.causal!s:5s} fwd {t['fwd_tflops']:6.1f} "
+                  f"bwd {t['bwd_tflops']:6.1f} TF/s  diff {diff:.1e}", flush=True)
     return rows
 
 
@@ -146,16 +150,13 @@ def run_order(args):
             _config.HEADS_PER_GROUP = None if isinstance(g, str) else g
             fn = providers_mod.PROVIDERS[name].prepare(s, "cuda")
             try:
-                ms_f = measure.time_forward(fn, inputs, timer)
-                ms_b = measure.time_backward(fn, inputs, timer)
+                t = _time_passes(fn, s, inputs, timer)
             except Exception as exc:  # noqa: BLE001
                 print(f"{name} {g} {s}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 continue
-            tf_f, tf_b = measure.tflops(s, "fwd", ms_f)[1], measure.tflops(s, "bwd", ms_b)[1]
-            rows.append(dict(provider=name, heads_per_group=g, d=s.head_dim, n=s.seqlen, fwd_ms=ms_f, bwd_ms=ms_b,
-                             fwd_tflops=tf_f, bwd_tflops=tf_b))
-            print(f"{name:10s} G={g!s:10s} D={s.head_dim:3d} N={s.seqlen:6d} fwd {tf_f:6.1f} bwd {tf_b:6.1f} TF/s",
-                  flush=True)
+            rows.append(dict(provider=name, heads_per_group=g, d=s.head_dim, n=s.seqlen, **t))
+            print(f"{name:10s} G={g!s:10s} D={s.head_dim:3d} N={s.seqlen:6d} fwd {t['fwd_tflops']:6.1f} "
+                  f"bwd {t['bwd_tflops']:6.1f} TF/s", flush=True)
     _config.HEADS_PER_GROUP = None
     return rows
 
