@@ -6,7 +6,7 @@
   what its backward needs (the LSE). The backward is timed alone: one forward is run once, then
   ``o.backward(do, retain_graph=True)`` is timed with the gradients of q, k, v set to None before
   each call (``do_bench(grad_to_none=...)``), so no accumulation kernel is counted.
-* FLOPs come from ``derivations.cost_model.attention_flops``, the formula the cost-model page derives:
+* FLOPs come from ``flashattn.cost.attention_flops``, the formula the cost-model page derives:
   the benchmark has no formula of its own.
 * Peak memory is ``torch.cuda.max_memory_allocated`` over one forward + backward, after
   ``reset_peak_memory_stats``, minus what was allocated before (q, k, v, dO): it counts o, the saved
@@ -16,6 +16,8 @@
 from __future__ import annotations
 
 import torch
+
+from flashattn import cost
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -40,9 +42,7 @@ def make_inputs(setting, device, *, seed: int = 0):
 
 def attention_flops(setting, mode: str) -> float:
     """FLOPs of one pass at ``setting`` by the project's one cost model."""
-    from derivations import cost_model  # the cost-model page's formula, looked up at call time
-
-    return float(cost_model.attention_flops(setting.batch, setting.heads, setting.seqlen, setting.seqlen,
+    return float(cost.attention_flops(setting.batch, setting.heads, setting.seqlen, setting.seqlen,
                                             setting.head_dim, causal=setting.causal, mode=mode))
 
 

@@ -363,7 +363,7 @@ def main(argv=None) -> int:
     config = {"quick": args.quick, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms, "return_mode": "median",
               "timer": "triton.testing.do_bench (CUDA events, L2 flushed before each call)",
               "forward": FORWARD_HOW, "backward": BACKWARD_HOW, "memory": MEMORY_HOW,
-              "flops": "derivations.cost_model.attention_flops(batch, heads, n, m, d, causal=..., mode='fwd'|'bwd')",
+              "flops": "flashattn.cost.attention_flops(batch, heads, n, m, d, causal=..., mode='fwd'|'bwd')",
               "check": (f"o, dq, dk, dv against flashattn.reference.naive_attention in float64 at the first length "
                         f"of each dtype x head dim x mask; pass: rel err <= {measure.CHECK_FACTOR} x the naive "
                         f"attention's own rel err in the same dtype + {measure.CHECK_FLOOR}"),

@@ -30,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._result import CheckResult, Ledger
-from .causal_masking import visible_pairs
 
 IDENTITY = "cost model: forward 4N²d; backward 10N²d (atomic dQ) and 14N²d (two kernels); HBM traffic"
 METHOD = ("matmuls counted from loop descriptions with shape and dataflow checks; SymPy totals; "
@@ -169,27 +168,9 @@ def total_flops_symbolic(kernels):
 # --8<-- [end:counting]
 
 
-# --8<-- [start:flops]
-FLOPS_PER_MATMUL_ENTRY = 2  # one multiply and one add per (row, inner, col) triple
-FORWARD_FLOPS_PER_PAIR_AND_DIM = FLOPS_PER_MATMUL_ENTRY * matmul_count(FORWARD)  # = 4
-MODES = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}  # benchmark convention: backward = 2.5 × forward
-
-
-def attention_flops(batch: int, heads: int, n: int, m: int, d: int, *, causal: bool, mode: str) -> float:
-    """FLOPs the benchmarks report for attention of `batch` × `heads` (n × m) problems of head dim d.
-
-    fwd = 4·batch·heads·n·m·d, times the visible fraction of bottom-right causal masking (pairs with
-    j ≤ i + m − n, counted exactly); bwd = 2.5 × fwd and fwd_bwd = 3.5 × fwd by convention, whatever
-    the kernel really computes (see this module's derivation for the true backward counts).
-    """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
-    for name, value in (("batch", batch), ("heads", heads), ("n", n), ("m", m), ("d", d)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    pairs = visible_pairs(n, m) if causal else n * m
-    return float(FORWARD_FLOPS_PER_PAIR_AND_DIM * batch * heads * pairs * d) * MODES[mode]
-# --8<-- [end:flops]
+# The formula itself lives in flashattn.cost (the benchmarks import it from there, without importing
+# the derivations); this module derives the counts it uses and checks it.
+from flashattn.cost import FORWARD_FLOPS_PER_PAIR_AND_DIM, FORWARD_MATMULS, MODES, attention_flops  # noqa: E402
 
 
 # --8<-- [start:traffic]

@@ -10,9 +10,11 @@ first call for a shape, never at import.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -105,13 +107,41 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-# Tuning scripts (tools/gpu/) pin a configuration here to time it; the package never sets it.
-OVERRIDE: dict[str, KernelConfig] = {}
+@dataclass(frozen=True)
+class Tuning:
+    """What a benchmark sweep may pin for the calls made inside :func:`tuning` (the package never does).
+
+    ``configs`` maps a kernel name to the configuration to launch it with; ``heads_per_group`` caps the
+    causal launch order's group (the largest divisor of B * H up to it is used); ``overlap_dq`` runs
+    the dQ kernel beside dK/dV on a second stream (the default) or after it.
+    """
+
+    configs: dict = field(default_factory=dict)
+    heads_per_group: int | None = None
+    overlap_dq: bool = True
 
 
-# Tuning scripts cap the causal launch order's heads per group here (the largest divisor of B * H up
-# to this value is used); the package never sets it.
-HEADS_PER_GROUP: int | None = None
+_TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("flashattn_tuning", default=Tuning())
+
+
+def current_tuning() -> Tuning:
+    return _TUNING.get()
+
+
+@contextlib.contextmanager
+def tuning(*, fwd: KernelConfig | None = None, bwd_dkdv: KernelConfig | None = None,
+           bwd_dq: KernelConfig | None = None, heads_per_group: int | None = None, overlap_dq: bool = True):
+    """Pin launch choices for the calls inside the ``with`` block, and restore the previous ones after.
+
+    ``with tuning(fwd=KernelConfig(128, 64, 8, 3)): ...`` times one tile without touching the table.
+    """
+    pinned = {name: cfg for name, cfg in (("fwd", fwd), ("bwd_dkdv", bwd_dkdv), ("bwd_dq", bwd_dq))
+              if cfg is not None}
+    token = _TUNING.set(Tuning(pinned, heads_per_group, overlap_dq))
+    try:
+        yield
+    finally:
+        _TUNING.reset(token)
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,8 +159,9 @@ def heads_per_group(grid: tuple[int, int], device: torch.device, causal: bool) -
     n_blocks, n_heads = grid
     if not causal:
         return 1
-    if HEADS_PER_GROUP is not None:
-        return schedule.heads_per_group(n_heads, n_blocks, HEADS_PER_GROUP * n_blocks)
+    cap = current_tuning().heads_per_group
+    if cap is not None:
+        return schedule.heads_per_group(n_heads, n_blocks, cap * n_blocks)
     if is_interpreter() or device.type != "cuda":
         return schedule.heads_per_group(n_heads, n_blocks, 8)
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -140,8 +171,9 @@ def heads_per_group(grid: tuple[int, int], device: torch.device, causal: bool) -
 def get_config(kernel: str, block_d: int, device: torch.device, causal: bool = False,
                n: int | None = None) -> KernelConfig:
     """The fixed configuration of ``kernel`` ("fwd", "bwd_dkdv", "bwd_dq") for a padded head dim and N rows."""
-    if kernel in OVERRIDE:
-        return OVERRIDE[kernel]
+    pinned = current_tuning().configs
+    if kernel in pinned:
+        return pinned[kernel]
     if is_interpreter() or device.type != "cuda":
         return _INTERPRETER[kernel]
     major, _ = _capability(device.index if device.index is not None else torch.cuda.current_device())
@@ -186,7 +218,7 @@ def choose(kernel: str, block_d: int, device: torch.device, causal: bool, key: t
     and so every backward pass after the first, reuse it, which keeps results bitwise repeatable.
     """
     n = key[0] if key else None
-    if not autotune_enabled() or device.type != "cuda" or kernel in OVERRIDE:
+    if not autotune_enabled() or device.type != "cuda" or kernel in current_tuning().configs:
         return get_config(kernel, block_d, device, causal, n)
     full_key = (kernel, block_d, device.index) + tuple(key)
     if full_key not in _TUNED:

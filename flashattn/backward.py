@@ -279,7 +279,6 @@ def _bwd_dq_kernel(
 # --8<-- [end:bwd-dq-kernel]
 
 
-OVERLAP_DQ = True  # run the dQ kernel beside the dK/dV kernel on a second CUDA stream
 _SIDE_STREAMS: dict = {}
 
 
@@ -355,7 +354,7 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     key = (n, m, d, causal, q.dtype, group)
     cfg_dkdv = _config.choose("bwd_dkdv", block_d, q.device, causal, key, launch_dkdv)
     cfg_dq = _config.choose("bwd_dq", block_d, q.device, causal, key, launch_dq)
-    if OVERLAP_DQ and q.is_cuda:
+    if _config.current_tuning().overlap_dq and q.is_cuda:
         # The two kernels read the same inputs and write disjoint outputs, so they may run side by
         # side: on a second stream the dQ programs fill the SMs that the last wave of dK/dV leaves
         # idle. The current stream waits for the side stream before anything after this call runs,

@@ -162,10 +162,3 @@ def block_grid(n: int, m: int, block_m: int, block_n: int, causal: bool) -> list
         [classify_block(sm, sn, block_m, block_n, n, m, causal) for sn in range(0, m, block_n)]
         for sm in range(0, n, block_m)
     ]
-
-
-def visible_count(n: int, m: int, causal: bool) -> int:
-    """Number of visible (query, key) pairs; a causal row ``i`` sees ``clamp(i + m - n + 1, 0, m)`` keys."""
-    if not causal:
-        return n * m
-    return sum(_clamp(i + m - n + 1, 0, m) for i in range(n))

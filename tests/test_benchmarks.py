@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks import grid, measure, providers, report, results, run
-from derivations import cost_model
+from flashattn import cost as cost_model
 
 
 # -- the grid -------------------------------------------------------------------------------------------

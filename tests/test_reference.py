@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashattn import reference, schedule
+from flashattn import cost, reference, schedule
 from flashattn.reference import causal_mask, naive_attention, online_backward, online_forward
 from flashattn.testing import random_qkv
 
@@ -186,7 +186,7 @@ def test_schedule_is_exact(n, m, block_m, block_n, causal):
             if kind == schedule.FULL:
                 assert tile.all() and tile.shape[1] == block_n
     assert not (mask & ~covered).any()
-    assert int(mask.sum()) == schedule.visible_count(n, m, causal)
+    assert int(mask.sum()) == cost.visible_pairs(n, m, causal)
     # The dK/dV walk: every visible pair lies in a visited query block, and query blocks marked as
     # fully visible really see the whole key block.
     for start_n in range(0, m, block_n):
