@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 import torch
 
 from flashattn import schedule
+from flashattn.problem import Problem
 
 
 def is_interpreter() -> bool:
-    """True when Triton runs kernels on the CPU (read at call time, not at import)."""
+    """True when Triton runs kernels on the CPU: ``TRITON_INTERPRET`` set to anything but "" or "0",
+    the test Triton itself applies. Read at call time, not at import. The one such test in the package."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -37,8 +39,9 @@ class KernelConfig:
     num_warps: int
     num_stages: int
 
-    def launch_kwargs(self) -> dict:
-        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages)
+    def options(self) -> dict:
+        """Triton's launch options (the tile sizes are the kernels' own constexpr arguments)."""
+        return dict(num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 @dataclass(frozen=True)
@@ -168,9 +171,8 @@ def heads_per_group(grid: tuple[int, int], device: torch.device, causal: bool) -
     return schedule.heads_per_group(n_heads, n_blocks, 2 * _sm_count(index))
 
 
-def get_config(kernel: str, block_d: int, device: torch.device, causal: bool = False,
-               n: int | None = None) -> KernelConfig:
-    """The fixed configuration of ``kernel`` ("fwd", "bwd_dkdv", "bwd_dq") for a padded head dim and N rows."""
+def get_config(kernel: str, problem: Problem, device: torch.device) -> KernelConfig:
+    """The fixed configuration of ``kernel`` ("fwd", "bwd_dkdv", "bwd_dq") for ``problem``."""
     pinned = current_tuning().configs
     if kernel in pinned:
         return pinned[kernel]
@@ -178,7 +180,7 @@ def get_config(kernel: str, block_d: int, device: torch.device, causal: bool = F
         return _INTERPRETER[kernel]
     major, _ = _capability(device.index if device.index is not None else torch.cuda.current_device())
     table = _SM90 if major == 9 else _DEFAULT
-    return resolve(table[(kernel, block_d)], causal, n)
+    return resolve(table[(kernel, problem.block_d)], problem.causal, problem.n)
 
 
 def resolve(entry, causal: bool, n: int | None) -> KernelConfig:
@@ -187,50 +189,48 @@ def resolve(entry, causal: bool, n: int | None) -> KernelConfig:
     return entry.pick(n) if isinstance(entry, ByLength) else entry
 
 
-def tuning_space(kernel: str, block_d: int, device: torch.device, causal: bool,
-                 n: int | None = None) -> list[KernelConfig]:
+def tuning_space(kernel: str, problem: Problem, device: torch.device) -> list[KernelConfig]:
     """A pruned neighbourhood of the table entry: the entry itself first, then at most seven variants.
 
     Same tile with other warps / pipeline depths first, then the tile halved or doubled along one
     side; tiles past 128 x 128 (128 x 64 at D = 256) are left out, they do not fit shared memory.
     """
-    base = get_config(kernel, block_d, device, causal, n)
+    base = get_config(kernel, problem, device)
     variants = [base]
     for warps, stages in ((4, 3), (8, 3), (8, 4), (4, 4)):
         variants.append(KernelConfig(base.block_m, base.block_n, warps, stages))
     for bm, bn in ((base.block_m, base.block_n * 2), (base.block_m, base.block_n // 2),
                    (base.block_m // 2, base.block_n), (base.block_m * 2, base.block_n)):
-        if 16 <= bm and 16 <= bn and bm * bn <= (128 * 64 if block_d >= 256 else 128 * 128):
+        if 16 <= bm and 16 <= bn and bm * bn <= (128 * 64 if problem.block_d >= 256 else 128 * 128):
             variants.append(KernelConfig(bm, bn, base.num_warps, base.num_stages))
     unique = list(dict.fromkeys(variants))
     return unique[:8]
 
 
-_TUNED: dict = {}
+_TUNED: dict = {}  # autotuning results: (kernel, device, problem) -> the fastest config measured
 
 
-def choose(kernel: str, block_d: int, device: torch.device, causal: bool, key: tuple, launch) -> KernelConfig:
-    """The configuration to launch ``kernel`` with for the problem ``key`` = (N, M, D, causal, dtype, ...).
+def choose(kernel: str, problem: Problem, device: torch.device, launch) -> KernelConfig:
+    """The configuration to launch ``kernel`` with for ``problem`` on ``device``.
 
     Without autotuning this is the fixed table entry. With ``FLASHATTN_AUTOTUNE=1`` on a GPU, the first
-    call for a key times every candidate of :func:`tuning_space` through ``launch(cfg)`` (each launch
-    only overwrites its outputs, so timing them is harmless) and remembers the fastest; later calls,
-    and so every backward pass after the first, reuse it, which keeps results bitwise repeatable.
+    call for a problem times every candidate of :func:`tuning_space` through ``launch(cfg)`` (each
+    launch only overwrites its outputs, so timing them is harmless) and remembers the fastest; later
+    calls, and so every backward pass after the first, reuse it, which keeps results bitwise repeatable.
     """
-    n = key[0] if key else None
     if not autotune_enabled() or device.type != "cuda" or kernel in current_tuning().configs:
-        return get_config(kernel, block_d, device, causal, n)
-    full_key = (kernel, block_d, device.index) + tuple(key)
+        return get_config(kernel, problem, device)
+    full_key = (kernel, device.index, problem)
     if full_key not in _TUNED:
         from triton.testing import do_bench  # imported here: nothing GPU-related at import time
 
         best, best_ms = None, float("inf")
-        for cfg in tuning_space(kernel, block_d, device, causal, n):
+        for cfg in tuning_space(kernel, problem, device):
             try:
                 ms = do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
             except Exception:  # a candidate that does not fit (shared memory, registers) is skipped
                 continue
             if ms < best_ms:
                 best, best_ms = cfg, ms
-        _TUNED[full_key] = best if best is not None else get_config(kernel, block_d, device, causal, n)
+        _TUNED[full_key] = best if best is not None else get_config(kernel, problem, device)
     return _TUNED[full_key]

@@ -8,20 +8,16 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 
 import torch
 
+from flashattn import ops
 from flashattn.autograd import AttentionFunction
+from flashattn.ops import KERNEL_DTYPES
+from flashattn.problem import Problem
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what the Triton kernels run
 REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # the CPU reference
-
-
-def _interpreting() -> bool:
-    # Read at call time, not import time: tests and notebooks set it before they first import triton.
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _check_inputs(q, k, v, causal, scale):
@@ -67,6 +63,17 @@ def _check_inputs(q, k, v, causal, scale):
         raise ValueError(f"q, k, v must be on a CUDA device or the CPU, got {q.device}")
 
 
+def _autocast(q, k, v):
+    """Inside ``torch.autocast("cuda")``, float32 (and other 16-bit) CUDA inputs run in the autocast
+    dtype, as ``scaled_dot_product_attention`` does; outside it nothing changes."""
+    if not (isinstance(q, torch.Tensor) and q.is_cuda and torch.is_autocast_enabled("cuda")):
+        return q, k, v
+    dtype = torch.get_autocast_dtype("cuda")
+    cast = (lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_cuda
+            and x.dtype in (torch.float32, torch.float16, torch.bfloat16) else x)
+    return cast(q), cast(k), cast(v)
+
+
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False):
     """Scaled dot-product attention, FlashAttention style: O(N) extra memory, exact result.
 
@@ -79,21 +86,30 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
             A query that sees no key gets output 0 (and LSE -inf).
         scale: softmax scale; ``1 / sqrt(D)`` when None.
         return_lse: also return the natural-log log-sum-exp of each score row, shape (B, Hq, N),
-            float32 (float64 for float64 inputs). It carries no gradient.
+            float32 (float64 for float64 inputs). It is differentiable: a loss that uses it sends
+            dLSE_i * P_ij back to each score (what merging partial results needs).
 
     Returns:
         ``o`` of the shape and dtype of ``q``, or ``(o, lse)`` when ``return_lse`` is set.
 
-    CUDA tensors (float16, bfloat16) run the Triton kernels. CPU tensors run the tile-by-tile PyTorch
-    reference, or the same Triton kernels under Triton's interpreter when ``TRITON_INTERPRET=1`` was set
-    before triton was imported (float16 and bfloat16 only; float32 and float64 use the reference).
+    CUDA tensors (float16, bfloat16) run the Triton kernels on their own device, whatever the current
+    device is; inside ``torch.autocast("cuda")`` float32 inputs run in the autocast dtype. CPU tensors
+    run the tile-by-tile PyTorch reference, or the same Triton kernels under Triton's interpreter when
+    ``TRITON_INTERPRET=1`` was set before triton was imported (float16 and bfloat16 only; float32 and
+    float64 use the reference). Under ``torch.compile`` the call is the custom operator
+    ``torch.ops.flashattn.attention_forward`` (:mod:`flashattn.ops`), traced without a graph break.
     """
+    q, k, v = _autocast(q, k, v)
     _check_inputs(q, k, v, causal, scale)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    use_kernels = q.is_cuda or (_interpreting() and q.dtype in KERNEL_DTYPES)
-    o, lse = AttentionFunction.apply(q, k, v, causal, scale, use_kernels)
+    if torch.compiler.is_compiling():
+        o, lse = torch.ops.flashattn.attention_forward(q, k, v, causal, scale)
+    else:
+        # Eager calls skip the operator dispatcher (tens of microseconds of a short call) and run the
+        # same backends through an autograd.Function.
+        o, lse = AttentionFunction.apply(q, k, v, Problem.of(q, k, causal, scale), ops.use_kernels(q))
     return (o, lse) if return_lse else o
 
 

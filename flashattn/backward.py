@@ -22,21 +22,20 @@ import torch
 import triton
 import triton.language as tl
 
-from flashattn import _config, schedule
-from flashattn.forward import (
+from flashattn import _config
+from flashattn._triton import (
     LOG2E,
-    _addressable,
-    _clamp,
-    _head_dim_block,
-    _causal_program,
-    _interpreter_needs_float32,
-    _key_walk,
-    device_fn,
+    addressable,
+    backward_query_range,
+    dense_like,
+    dq_key_range,
+    interpreter_needs_float32,
+    launch,
+    program_tile,
     tile_desc,
+    visible,
 )
-
-_bwd_first_seeing_query = device_fn(schedule.bwd_first_seeing_query)
-_bwd_first_full_query = device_fn(schedule.bwd_first_full_query)
+from flashattn.problem import Problem
 
 PREPROCESS_BLOCK = 64  # rows per program of the D kernel (memory bound: any size that fills the GPU)
 
@@ -44,28 +43,36 @@ PREPROCESS_BLOCK = 64  # rows per program of the D kernel (memory bound: any siz
 # --8<-- [start:bwd-preprocess]
 @triton.jit
 def _bwd_preprocess_kernel(
-    O, DO, LSE, LSE2, DELTA,  #
+    O, DO, LSE, DLSE, LSE2, DELTA,  #
     stride_ob, stride_oh, stride_on,  #
     stride_dob, stride_doh, stride_don,  #
-    H_Q, N_CTX_Q,  #
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    H_Q, N_CTX_Q, N_BLOCKS,  #
+    HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    i_m = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_m, i_bh = program_tile(N_BLOCKS, 1, False)  # row block, batch * query head
     i_b = i_bh // H_Q
     i_h = i_bh % H_Q
-    offs_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    start_m = i_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     mask = (offs_m < N_CTX_Q)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    p_o = O + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh \
-        + offs_m[:, None] * stride_on + offs_d[None, :]
-    p_do = DO + i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh \
-        + offs_m[:, None] * stride_don + offs_d[None, :]
+    rows = tl.arange(0, BLOCK_M)[:, None]  # 64-bit bases below, 32-bit offsets inside the tile
+    p_o = O + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh + start_m.to(tl.int64) * stride_on \
+        + rows * stride_on + offs_d[None, :]
+    p_do = DO + i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh + start_m.to(tl.int64) * stride_don \
+        + rows * stride_don + offs_d[None, :]
     b_o = tl.load(p_o, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
     b_do = tl.load(p_do, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
     # D_i = sum_d dO_id O_id = sum_j P_ij dP_ij: an N x d reduction in place of an N x M one
     b_delta = tl.sum(b_o * b_do, axis=1)  # [BLOCK_M]
-    row0 = i_bh.to(tl.int64) * N_CTX_Q  # lse, lse2 and D are fresh contiguous (B, Hq, N)
+    row0 = i_bh.to(tl.int64) * N_CTX_Q  # lse, dlse, lse2 and D are contiguous (B, Hq, N)
+    # --8<-- [start:bwd-dlse]
+    if HAS_DLSE:
+        # A gradient that reaches the LSE output adds dLSE_i * P_ij to dS_ij (dLSE_i/dS_ij = P_ij),
+        # so dS = P * (dP - D + dLSE) = P * (dP - (D - dLSE)): folding it into D leaves the loops as
+        # they are. A row with no key has P = 0 and takes nothing from it.
+        b_delta -= tl.load(DLSE + row0 + offs_m, mask=offs_m < N_CTX_Q, other=0.0)
+    # --8<-- [end:bwd-dlse]
     tl.store(DELTA + row0 + offs_m, b_delta, mask=offs_m < N_CTX_Q)
     # lse in base 2, the pivot of P = exp2(c * qk - lse2). A row that saw no key stores lse = -inf,
     # and exp2(s - (-inf)) = inf: such rows lie only in masked tiles, where P is zeroed, so they
@@ -113,10 +120,7 @@ def _bwd_dkdv_inner(
         if MASKED:
             # Rows past N are zeroed *explicitly*: their Q, dO are read as zeros today, but a dirty
             # padding row (scores above 128 in base 2) would make P = inf and dS = inf * 0 = NaN.
-            visible = (rows[None, :] < N_CTX_Q) & (offs_n[:, None] < N_CTX_K)
-            if CAUSAL:
-                visible = visible & (offs_n[:, None] <= rows[None, :] + (N_CTX_K - N_CTX_Q))
-            p_t = tl.where(visible, p_t, 0.0)
+            p_t = tl.where(visible(rows[None, :], offs_n[:, None], N_CTX_Q, N_CTX_K, CAUSAL), p_t, 0.0)
         # --8<-- [end:bwd-recompute-p]
         # --8<-- [start:bwd-dv-accumulate]
         b_dv += tl.dot(p_t.to(b_do.dtype), b_do)  # dV += P^T dO, [BLOCK_N, BLOCK_D]
@@ -139,15 +143,12 @@ def _bwd_dkdv_kernel(
     q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DK, DV,  #
     stride_dkb, stride_dkh, stride_dkn,  #
     stride_dvb, stride_dvh, stride_dvn,  #
-    H_Q, H_KV, GROUP, N_CTX_Q, N_CTX_K, qk_scale, scale, HEADS_PER_GROUP,  #
+    H_Q, H_KV, GROUP, N_CTX_Q, N_CTX_K, qk_scale, scale, N_BLOCKS, HEADS_PER_GROUP,  #
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    if CAUSAL:
-        i_n, i_bh = _causal_program(HEADS_PER_GROUP)  # the first key block is seen by the most rows
-    else:
-        i_n = tl.program_id(0)  # key block
-        i_bh = tl.program_id(1)  # batch * key/value head
+    # key block, batch * key/value head; causal: the first key block is seen by the most rows
+    i_n, i_bh = program_tile(N_BLOCKS, HEADS_PER_GROUP, False)
     i_b = i_bh // H_KV
     i_hkv = i_bh % H_KV
 
@@ -164,18 +165,9 @@ def _bwd_dkdv_kernel(
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     # The mirror of the forward schedule: query blocks in [lo, full_start) straddle the diagonal,
-    # [full_start, full_end) see the whole key block, [full_end, N) is the ragged last query block.
-    # A ragged key block masks every tile (its padded keys must stay out of dS).
-    full_end = N_CTX_Q // BLOCK_M * BLOCK_M
-    if CAUSAL:
-        lo = _clamp(_bwd_first_seeing_query(start_n, N_CTX_Q, N_CTX_K), 0, N_CTX_Q) // BLOCK_M * BLOCK_M
-        first_full = _clamp(_bwd_first_full_query(start_n, BLOCK_N, N_CTX_Q, N_CTX_K), 0, N_CTX_Q)
-        full_start = tl.maximum(tl.minimum(tl.cdiv(first_full, BLOCK_M) * BLOCK_M, full_end), lo)
-    else:
-        lo = 0
-        full_start = 0
-    full_end = tl.maximum(full_end, full_start)
-    full_end = tl.where(start_n + BLOCK_N > N_CTX_K, full_start, full_end)
+    # [full_start, full_end) see the whole key block, [full_end, N) is the ragged last query block;
+    # a ragged key block masks every tile (its padded keys must stay out of dS).
+    lo, full_start, full_end = backward_query_range(start_n, BLOCK_M, BLOCK_N, N_CTX_Q, N_CTX_K, CAUSAL)
 
     for g in range(0, GROUP):  # the query heads that share this K/V head: summed here, no atomics
         i_hq = i_hkv * GROUP + g
@@ -193,10 +185,11 @@ def _bwd_dkdv_kernel(
                                      True, CAUSAL, BLOCK_M, BLOCK_D)
 
     b_dk *= scale  # S = scale * Q K^T, so dK = scale * dS^T Q
-    p_dk = DK + i_b.to(tl.int64) * stride_dkb + i_hkv.to(tl.int64) * stride_dkh \
-        + offs_n[:, None] * stride_dkn + offs_d[None, :]
-    p_dv = DV + i_b.to(tl.int64) * stride_dvb + i_hkv.to(tl.int64) * stride_dvh \
-        + offs_n[:, None] * stride_dvn + offs_d[None, :]
+    rows = tl.arange(0, BLOCK_N)[:, None]  # 64-bit bases, 32-bit offsets inside the tile
+    p_dk = DK + i_b.to(tl.int64) * stride_dkb + i_hkv.to(tl.int64) * stride_dkh + start_n.to(tl.int64) * stride_dkn \
+        + rows * stride_dkn + offs_d[None, :]
+    p_dv = DV + i_b.to(tl.int64) * stride_dvb + i_hkv.to(tl.int64) * stride_dvh + start_n.to(tl.int64) * stride_dvn \
+        + rows * stride_dvn + offs_d[None, :]
     mask_out = mask_n[:, None] & mask_d[None, :]
     tl.store(p_dk, b_dk.to(DK.dtype.element_ty), mask=mask_out)
     tl.store(p_dv, b_dv.to(DV.dtype.element_ty), mask=mask_out)
@@ -219,10 +212,7 @@ def _bwd_dq_inner(
         dp = tl.dot(b_do, tl.trans(b_v))  # dP = dO V^T, [BLOCK_M, BLOCK_N], before the exponentials too
         p = tl.exp2(s - b_lse2[:, None])
         if MASKED:
-            visible = (offs_m[:, None] < N_CTX_Q) & (cols[None, :] < N_CTX_K)
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + (N_CTX_K - N_CTX_Q))
-            p = tl.where(visible, p, 0.0)
+            p = tl.where(visible(offs_m[:, None], cols[None, :], N_CTX_Q, N_CTX_K, CAUSAL), p, 0.0)
         ds = p * (dp - b_delta[:, None])  # dS = P * (dP - D)
         # --8<-- [start:bwd-dq-accumulate]
         b_dq += tl.dot(ds.to(b_k.dtype), b_k)  # dQ += dS K (scale applied once, at the end)
@@ -236,16 +226,12 @@ def _bwd_dq_inner(
 def _bwd_dq_kernel(
     q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DQ,  #
     stride_dqb, stride_dqh, stride_dqn,  #
-    H_Q, GROUP, N_CTX_Q, N_CTX_K, qk_scale, scale, HEADS_PER_GROUP,  #
+    H_Q, GROUP, N_CTX_Q, N_CTX_K, qk_scale, scale, N_BLOCKS, HEADS_PER_GROUP,  #
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    if CAUSAL:
-        rank, i_bh = _causal_program(HEADS_PER_GROUP)
-        i_m = tl.num_programs(0) - 1 - rank  # the longest key walks first, as in the forward
-    else:
-        i_m = tl.program_id(0)  # query block
-        i_bh = tl.program_id(1)  # batch * query head
+    # query block, batch * query head; causal: the longest key walks first, as in the forward
+    i_m, i_bh = program_tile(N_BLOCKS, HEADS_PER_GROUP, CAUSAL)
     i_b = i_bh // H_Q
     i_hq = i_bh % H_Q
     i_hkv = i_hq // GROUP
@@ -263,9 +249,8 @@ def _bwd_dq_kernel(
     b_lse2, b_delta = _load_row_stats(LSE2 + row0 + offs_m, DELTA + row0 + offs_m, mask_m, True)
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # The forward's key walk; a ragged last query block masks every tile, like the reference.
-    full_end, hi = _key_walk(start_m, N_CTX_Q, N_CTX_K, CAUSAL, BLOCK_M, BLOCK_N)
-    full_end = tl.where(start_m + BLOCK_M > N_CTX_Q, 0, full_end)
+    # The forward's key walk; a ragged last query block masks every tile (the schedule's dq_key_range).
+    full_end, hi = dq_key_range(start_m, BLOCK_M, BLOCK_N, N_CTX_Q, N_CTX_K, CAUSAL)
 
     b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
                          0, full_end, N_CTX_Q, N_CTX_K, qk_scale, False, CAUSAL, BLOCK_N, BLOCK_D)
@@ -273,8 +258,8 @@ def _bwd_dq_kernel(
                          full_end, hi, N_CTX_Q, N_CTX_K, qk_scale, True, CAUSAL, BLOCK_N, BLOCK_D)
 
     b_dq *= scale  # S = scale * Q K^T, so dQ = scale * dS K
-    p_dq = DQ + i_b.to(tl.int64) * stride_dqb + i_hq.to(tl.int64) * stride_dqh \
-        + offs_m[:, None] * stride_dqn + offs_d[None, :]
+    p_dq = DQ + i_b.to(tl.int64) * stride_dqb + i_hq.to(tl.int64) * stride_dqh + start_m.to(tl.int64) * stride_dqn \
+        + tl.arange(0, BLOCK_M)[:, None] * stride_dqn + offs_d[None, :]
     tl.store(p_dq, b_dq.to(DQ.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 # --8<-- [end:bwd-dq-kernel]
 
@@ -288,72 +273,58 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
-def _like(x: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(x)  # keeps x's memory layout where it is dense
-    return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
 # --8<-- [start:bwd-launch]
-def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
-    """Run the three backward kernels. Returns ``(dq, dk, dv)`` shaped like q, k, v.
+def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None):
+    """Run the three backward kernels on ``q``'s device. Returns ``(dq, dk, dv)`` shaped like q, k, v.
 
-    ``o`` and ``lse`` are the forward's outputs; dK and dV of a K/V head sum over its query heads.
+    ``o`` and ``lse`` are the forward's outputs; ``dlse`` (B, Hq, N), when given, is the gradient that
+    reached the LSE output. dK and dV of a K/V head sum over its query heads.
     """
-    if _interpreter_needs_float32(q):
-        grads = attention_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, scale)
+    if interpreter_needs_float32(q):
+        grads = attention_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, problem, dlse)
         return tuple(g.to(q.dtype) for g in grads)
-    do, q, k, v = (_addressable(x) for x in (do, q, k, v))
+    do, q, k, v = (addressable(x) for x in (do, q, k, v))
     if o.stride(-1) != 1:
         o = o.contiguous()  # read with plain loads by the preprocess kernel: any row stride works
+    p = problem
     lse = lse.contiguous()
-    batch, h_q, n, d = q.shape
-    h_kv, m = k.shape[1], k.shape[2]
-    group = h_q // h_kv
-    block_d = _head_dim_block(d)
-    qk_scale = scale * LOG2E.value
-    dq, dk, dv = _like(q), _like(k), _like(v)
-    if n == 0 or m == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-
-    delta = torch.empty((batch, h_q, n), dtype=torch.float32, device=q.device)
+    dq, dk, dv = dense_like(q), dense_like(k), dense_like(v)
+    delta = torch.empty((p.batch, p.heads_q, p.n), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
+    has_dlse = dlse is not None
     block = 32 if _config.is_interpreter() else PREPROCESS_BLOCK
-    _bwd_preprocess_kernel[(triton.cdiv(n, block), batch * h_q)](
-        o, do, lse, lse2, delta,
-        o.stride(0), o.stride(1), o.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-        h_q, n,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block,
-    )
+    n_rows = triton.cdiv(p.n, block)
+    launch(_bwd_preprocess_kernel, n_rows * p.batch * p.heads_q,
+           (o, do, lse, dlse.contiguous() if has_dlse else lse, lse2, delta,
+            o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            p.heads_q, p.n, n_rows),
+           dict(HAS_DLSE=has_dlse, HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=block), {})
 
-    def launch_dkdv(cfg: _config.KernelConfig):
-        grid = (triton.cdiv(m, cfg.block_n), batch * h_kv)
-        _bwd_dkdv_kernel[grid](
-            tile_desc(q, cfg.block_m, block_d), tile_desc(k, cfg.block_n, block_d),
-            tile_desc(v, cfg.block_n, block_d), tile_desc(do, cfg.block_m, block_d),
-            lse2, delta, dk, dv,
-            dk.stride(0), dk.stride(1), dk.stride(2),
-            dv.stride(0), dv.stride(1), dv.stride(2),
-            h_q, h_kv, group, n, m, qk_scale, scale, _config.heads_per_group(grid, q.device, causal),
-            CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d,
-            **cfg.launch_kwargs(),
-        )
+    def run_dkdv(cfg: _config.KernelConfig):
+        n_blocks = triton.cdiv(p.m, cfg.block_n)
+        args = (tile_desc(q, cfg.block_m, p.block_d), tile_desc(k, cfg.block_n, p.block_d),
+                tile_desc(v, cfg.block_n, p.block_d), tile_desc(do, cfg.block_m, p.block_d),
+                lse2, delta, dk, dv,
+                dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+                p.heads_q, p.heads_kv, p.group, p.n, p.m, p.qk_scale, p.scale, n_blocks,
+                _config.heads_per_group((n_blocks, p.batch * p.heads_kv), q.device, p.causal))
+        launch(_bwd_dkdv_kernel, n_blocks * p.batch * p.heads_kv, args,
+               dict(CAUSAL=p.causal, HEAD_DIM=p.head_dim, BLOCK_D=p.block_d,
+                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n), cfg.options())
 
-    def launch_dq(cfg: _config.KernelConfig):
-        grid = (triton.cdiv(n, cfg.block_m), batch * h_q)
-        _bwd_dq_kernel[grid](
-            tile_desc(q, cfg.block_m, block_d), tile_desc(k, cfg.block_n, block_d),
-            tile_desc(v, cfg.block_n, block_d), tile_desc(do, cfg.block_m, block_d),
-            lse2, delta, dq,
-            dq.stride(0), dq.stride(1), dq.stride(2),
-            h_q, group, n, m, qk_scale, scale, _config.heads_per_group(grid, q.device, causal),
-            CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d,
-            **cfg.launch_kwargs(),
-        )
+    def run_dq(cfg: _config.KernelConfig):
+        n_blocks = triton.cdiv(p.n, cfg.block_m)
+        args = (tile_desc(q, cfg.block_m, p.block_d), tile_desc(k, cfg.block_n, p.block_d),
+                tile_desc(v, cfg.block_n, p.block_d), tile_desc(do, cfg.block_m, p.block_d),
+                lse2, delta, dq, dq.stride(0), dq.stride(1), dq.stride(2),
+                p.heads_q, p.group, p.n, p.m, p.qk_scale, p.scale, n_blocks,
+                _config.heads_per_group((n_blocks, p.batch * p.heads_q), q.device, p.causal))
+        launch(_bwd_dq_kernel, n_blocks * p.batch * p.heads_q, args,
+               dict(CAUSAL=p.causal, HEAD_DIM=p.head_dim, BLOCK_D=p.block_d,
+                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n), cfg.options())
 
-    key = (n, m, d, causal, q.dtype, group)
-    cfg_dkdv = _config.choose("bwd_dkdv", block_d, q.device, causal, key, launch_dkdv)
-    cfg_dq = _config.choose("bwd_dq", block_d, q.device, causal, key, launch_dq)
+    cfg_dkdv = _config.choose("bwd_dkdv", problem, q.device, run_dkdv)
+    cfg_dq = _config.choose("bwd_dq", problem, q.device, run_dq)
     if _config.current_tuning().overlap_dq and q.is_cuda:
         # The two kernels read the same inputs and write disjoint outputs, so they may run side by
         # side: on a second stream the dQ programs fill the SMs that the last wave of dK/dV leaves
@@ -361,12 +332,12 @@ def attention_backward(do, q, k, v, o, lse, causal: bool, scale: float):
         # so every tensor used here stays alive and unchanged until both kernels are done.
         main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
         side.wait_stream(main)  # delta is written
-        launch_dkdv(cfg_dkdv)
+        run_dkdv(cfg_dkdv)
         with torch.cuda.stream(side):
-            launch_dq(cfg_dq)
+            run_dq(cfg_dq)
         main.wait_stream(side)
     else:
-        launch_dkdv(cfg_dkdv)
-        launch_dq(cfg_dq)
+        run_dkdv(cfg_dkdv)
+        run_dq(cfg_dq)
     return dq, dk, dv
 # --8<-- [end:bwd-launch]

@@ -18,16 +18,14 @@ import math
 import torch
 
 from flashattn import schedule
-
-LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
-LN2 = 0.6931471805599453  # ln(2): converts a base-2 log-sum-exp back to natural log
+from flashattn.constants import LN2, LOG2E
 
 
 def causal_mask(n: int, m: int, device=None) -> torch.Tensor:
     """Boolean (n, m) mask, True where query i may see key j: ``j <= i + m - n`` (bottom-right)."""
     rows = torch.arange(n, device=device)[:, None]
     cols = torch.arange(m, device=device)[None, :]
-    return cols <= rows + (m - n)
+    return schedule.visible(rows, cols, n, m, True)
 
 
 def _group(x: torch.Tensor, h_kv: int) -> torch.Tensor:
@@ -89,13 +87,10 @@ def _load_vec(x: torch.Tensor, start: int, size: int, fill: float) -> torch.Tens
 
 
 def _score_mask(start_m, start_n, block_m, block_n, n, m, causal, device):
-    """(block_m, block_n) mask of the pairs a tile may use: in range, and visible when causal."""
+    """(block_m, block_n) mask of the pairs a tile may use: the schedule's visibility test."""
     rows = start_m + torch.arange(block_m, device=device)[:, None]
     cols = start_n + torch.arange(block_n, device=device)[None, :]
-    mask = (rows < n) & (cols < m)
-    if causal:
-        mask &= cols <= rows + (m - n)
-    return mask
+    return schedule.visible(rows, cols, n, m, causal)
 
 
 # --8<-- [start:online-forward]
@@ -153,12 +148,14 @@ def online_forward(q, k, v, causal: bool = False, scale: float | None = None, bl
 
 # --8<-- [start:online-backward]
 def online_backward(
-    do, q, k, v, o, lse, causal: bool = False, scale: float | None = None, block_m: int = 64, block_n: int = 64
+    do, q, k, v, o, lse, causal: bool = False, scale: float | None = None, block_m: int = 64, block_n: int = 64,
+    dlse=None,
 ):
     """Tile-by-tile backward: preprocess D, then the dK/dV loop and the dQ loop, recomputing P from lse.
 
     Returns ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v. dK and dV of a key/value head sum the
-    contributions of every query head of its group.
+    contributions of every query head of its group. ``dlse`` (B, Hq, N), when given, is the gradient
+    that reached the LSE output; it joins D (dS = P * (dP - (D - dLSE))).
     """
     b, h_q, n, d = q.shape
     h_kv, m = k.shape[1], k.shape[2]
@@ -172,6 +169,8 @@ def online_backward(
     # Preprocess: D_i = rowsum(dO_i * O_i) equals rowsum(P_i * dP_i) (the D identity), an N x d
     # reduction instead of an N x M one.
     delta = (dog * og).sum(dim=-1)  # (B, Hkv, G, N)
+    if dlse is not None:
+        delta = delta - dlse.reshape(delta.shape).to(acc_dtype)  # dLSE_i / dS_ij = P_ij
 
     def recompute_p(b_q, b_k, b_lse2, start_m, start_n, masked):
         s = (b_q @ b_k.transpose(-1, -2)) * qk_scale  # [.., BLOCK_M, BLOCK_N]
@@ -193,12 +192,11 @@ def online_backward(
         b_dk = torch.zeros(qg.shape[:3] + (block_n, d), dtype=acc_dtype, device=q.device)
         b_dv = torch.zeros_like(b_dk)
         lo, full_start, full_end = schedule.backward_query_range(start_n, block_m, block_n, n, m, causal)
-        key_edge = start_n + block_n > m
         for start_m in range(lo, n, block_m):
             # Tiles on the diagonal, on the ragged last query block, or on a ragged key block are masked.
             # Padding rows (>= n) must contribute nothing: unmasked, their P could overflow and turn
             # dS = P * (dP - D) into NaN even though their dO is zero.
-            masked = start_m < full_start or start_m >= full_end or key_edge
+            masked = start_m < full_start or start_m >= full_end
             b_q = _load_rows(qg, start_m, block_m)
             b_do = _load_rows(dog, start_m, block_m)
             b_lse2 = _load_vec(lse2, start_m, block_m, 0.0)
@@ -221,13 +219,12 @@ def online_backward(
         b_lse2 = _load_vec(lse2, start_m, block_m, 0.0)
         b_delta = _load_vec(delta, start_m, block_m, 0.0)
         b_dq = torch.zeros_like(b_q)  # [.., BLOCK_M, D]
-        full_end, hi = schedule.forward_key_range(start_m, block_m, block_n, n, m, causal)
+        # The forward's key walk, except that a ragged last query block masks every tile.
+        full_end, hi = schedule.dq_key_range(start_m, block_m, block_n, n, m, causal)
         for start_n in range(0, hi, block_n):
             b_k = _load_rows(kf, start_n, block_n)
             b_v = _load_rows(vf, start_n, block_n)
-            # In the dQ loop padding rows are never stored, so only the key mask matters here;
-            # the row mask is kept too so that every tile of this loop sees the same P as the forward.
-            p = recompute_p(b_q, b_k, b_lse2, start_m, start_n, start_n >= full_end or start_m + block_m > n)
+            p = recompute_p(b_q, b_k, b_lse2, start_m, start_n, start_n >= full_end)
             dp = b_do @ b_v.transpose(-1, -2)
             ds = p * (dp - b_delta[..., None])
             b_dq += ds @ b_k  # dQ = scale * dS K (scale applied once, below)

@@ -13,11 +13,12 @@ Tiling the (N, M) score matrix into ``block_m x block_n`` tiles splits the tiles
   and never stored in the forward; the dK/dV loop masks them, see :func:`backward_query_range`);
 * **skipped**: no (i, j) in the tile is visible: the kernel never loads it.
 
-The four ``*_key``/``*_query`` boundary functions below use only ``+`` and ``-``, so the Triton kernels
-wrap the very same functions with ``triton.jit`` and clamp the results with ``tl.minimum`` /
-``tl.maximum``, the PyTorch reference calls them through :func:`forward_key_range` and
-:func:`backward_query_range`, and the site draws its figures with :func:`block_grid`. There is one
-schedule, not three.
+Every function here is plain arithmetic on four primitives (:func:`minimum`, :func:`maximum`,
+:func:`clamp`, :func:`select`), so the Triton kernels wrap the very same functions with
+``triton.jit`` (swapping the primitives for ``tl.minimum``, ``tl.maximum`` and ``tl.where``): the
+kernels call :func:`forward_key_range`, :func:`dq_key_range`, :func:`backward_query_range`,
+:func:`visible` and :func:`launch_order` compiled, the PyTorch reference calls them on the host, and
+the site draws its figures with :func:`block_grid`. There is one schedule, not three.
 """
 
 from __future__ import annotations
@@ -29,10 +30,47 @@ MASKED = "masked"
 SKIPPED = "skipped"
 
 
+# --8<-- [start:primitives]
+# The schedule's functions run in three places: on the host (the reference, the figures, the tests),
+# and inside the Triton kernels, which wrap these very functions with ``triton.jit``
+# (:func:`flashattn._triton.device_fn`). Everything below is written with + - * // and comparisons,
+# and with the four primitives here; on the device each primitive is swapped for its Triton twin
+# (tl.minimum, tl.maximum, tl.where), so host and kernel compute the same numbers by construction.
+def minimum(a, b):
+    return min(a, b)
+
+
+def maximum(a, b):
+    return max(a, b)
+
+
+def clamp(x, lo, hi):
+    return minimum(maximum(x, lo), hi)
+
+
+def select(condition, if_true, if_false):
+    return if_true if condition else if_false
+# --8<-- [end:primitives]
+
+
+# --8<-- [start:visible]
+def visible(rows, cols, n, m, causal):
+    """Which (query row, key column) pairs a tile may use: in range, and not in the future when causal.
+
+    ``rows`` and ``cols`` broadcast against each other (ints, or index tensors shaped [R, 1] and [1, C]
+    on the host and in the kernels alike). Bottom-right alignment: query ``i`` sees key ``j`` when
+    ``j <= i + (m - n)``.
+    """
+    ok = (rows < n) & (cols < m)
+    if causal:
+        ok = ok & (cols <= rows + (m - n))
+    return ok
+# --8<-- [end:visible]
+
+
 def is_visible(i: int, j: int, n: int, m: int, causal: bool) -> bool:
     """Whether query ``i`` may attend to key ``j`` (both in range) under bottom-right alignment."""
-    in_range = 0 <= i < n and 0 <= j < m
-    return in_range and (not causal or j <= i + m - n)
+    return bool(0 <= i and 0 <= j and visible(i, j, n, m, causal))
 
 
 # --8<-- [start:boundaries]
@@ -66,46 +104,56 @@ def bwd_first_full_query(start_n, block_n, n, m):
 # --8<-- [end:boundaries]
 
 
-def _clamp(x: int, lo: int, hi: int) -> int:
-    return min(max(x, lo), hi)
-
-
 # --8<-- [start:forward-range]
-def forward_key_range(start_m: int, block_m: int, block_n: int, n: int, m: int, causal: bool):
-    """Key ranges the forward (and dQ) loop of one query block walks.
+def forward_key_range(start_m, block_m, block_n, n, m, causal):
+    """Key ranges the forward loop of one query block walks.
 
     Returns ``(full_end, hi)``: key blocks starting in ``[0, full_end)`` run without a mask,
     those starting in ``[full_end, hi)`` run with one, keys from ``hi`` on are skipped.
     ``full_end`` is a multiple of ``block_n``, so the unmasked loop never touches a ragged edge.
     """
+    full_end = m
+    hi = m
     if causal:
-        full_end = _clamp(fwd_first_masked_key(start_m, n, m), 0, m)
-        hi = _clamp(fwd_end_visible_key(start_m, block_m, n, m), 0, m)
-    else:
-        full_end, hi = m, m
-    full_end = full_end // block_n * block_n
+        full_end = clamp(fwd_first_masked_key(start_m, n, m), 0, m)
+        hi = clamp(fwd_end_visible_key(start_m, block_m, n, m), 0, m)
+    full_end = full_end // block_n * block_n  # operands are >= 0: // floors in Python and Triton alike
     return full_end, hi
 # --8<-- [end:forward-range]
 
 
+# --8<-- [start:dq-range]
+def dq_key_range(start_m, block_m, block_n, n, m, causal):
+    """Key ranges the dQ loop of one query block walks: the forward's, except that a ragged last
+    query block masks every tile, so its padding rows (past ``n``) never enter dS."""
+    full_end, hi = forward_key_range(start_m, block_m, block_n, n, m, causal)
+    full_end = select(start_m + block_m > n, 0, full_end)
+    return full_end, hi
+# --8<-- [end:dq-range]
+
+
 # --8<-- [start:backward-range]
-def backward_query_range(start_n: int, block_m: int, block_n: int, n: int, m: int, causal: bool):
+def backward_query_range(start_n, block_m, block_n, n, m, causal):
     """Query ranges the dK/dV loop of one key block walks.
 
     Returns ``(lo, full_start, full_end)``: query blocks starting in ``[lo, full_start)`` straddle the
     diagonal and need the causal mask, those in ``[full_start, full_end)`` see the whole key block,
-    and the last, ragged query block (from ``full_end`` up to ``n``) needs the row mask.
-    Rows below ``lo`` see none of the block and are skipped. ``lo`` and ``full_start`` are multiples of
-    ``block_m``.
+    and the rest, up to ``n`` (the ragged last query block), needs the row mask. Rows below ``lo``
+    see none of the block and are skipped. A ragged key block (one reaching past ``m``) has no
+    unmasked tiles at all: its padded keys must stay out of dS. ``lo`` and ``full_start`` are
+    multiples of ``block_m``.
     """
     full_end = n // block_m * block_m
-    if not causal:
-        return 0, 0, full_end
-    lo = _clamp(bwd_first_seeing_query(start_n, n, m), 0, n) // block_m * block_m
-    first_full = _clamp(bwd_first_full_query(start_n, block_n, n, m), 0, n)
-    full_start = min(-(-first_full // block_m) * block_m, full_end)  # round up to a block boundary
-    full_start = max(full_start, lo)
-    return lo, full_start, max(full_end, full_start)
+    lo = 0
+    full_start = 0
+    if causal:
+        lo = clamp(bwd_first_seeing_query(start_n, n, m), 0, n) // block_m * block_m
+        first_full = clamp(bwd_first_full_query(start_n, block_n, n, m), 0, n)
+        up = (first_full + block_m - 1) // block_m * block_m  # round up to a block boundary
+        full_start = maximum(minimum(up, full_end), lo)
+    full_end = maximum(full_end, full_start)
+    full_end = select(start_n + block_n > m, full_start, full_end)
+    return lo, full_start, full_end
 # --8<-- [end:backward-range]
 
 

@@ -72,15 +72,20 @@ def test_cpu_path_gradients_match_float64_autograd(causal, monkeypatch):
     q, k, v = random_qkv(2, 6, 2, 29, 41, 24, generator=torch.Generator().manual_seed(1), requires_grad=True,
                          layout="bnhd")
     o, lse = flashattn.attention(q, k, v, causal=causal, scale=0.2, return_lse=True)
-    assert not lse.requires_grad
     do = torch.randn_like(o)
-    grads = torch.autograd.grad(o, (q, k, v), do)
+    dlse = torch.randn_like(lse)
     o_ref, lse_ref = naive_attention(q, k, v, causal, 0.2)
-    grads_ref = torch.autograd.grad(o_ref, (q, k, v), do)
     torch.testing.assert_close(o, o_ref, rtol=0, atol=1e-10)
     torch.testing.assert_close(lse, lse_ref, rtol=0, atol=1e-10)
-    for g, g_ref in zip(grads, grads_ref):
-        torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-10)
+    # through O alone, through the LSE alone, and through both: the LSE's gradient joins D
+    for outputs, outputs_ref, seeds in (((o,), (o_ref,), (do,)), ((lse,), (lse_ref,), (dlse,)),
+                                        ((o, lse), (o_ref, lse_ref), (do, dlse))):
+        grads = torch.autograd.grad(outputs, (q, k, v), seeds, retain_graph=True, materialize_grads=True)
+        grads_ref = torch.autograd.grad(outputs_ref, (q, k, v), seeds, retain_graph=True, materialize_grads=True)
+        for g, g_ref in zip(grads[:2], grads_ref[:2]):
+            assert g_ref.abs().max() > 1e-3  # a gradient that is really there
+            torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-10)
+        torch.testing.assert_close(grads[2], grads_ref[2], rtol=0, atol=1e-10)  # dV = 0 through the LSE
 
 
 def test_default_scale_is_inverse_sqrt_d():

@@ -8,33 +8,17 @@ is at most twice the error PyTorch's own low-precision computation makes, plus a
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
+import flashattn
+from flashattn.backward import attention_backward
+from flashattn.forward import attention_forward
+from flashattn.problem import Problem
+from flashattn.reference import naive_attention
+from flashattn.testing import assert_close_ratio, random_qkv, rel_err
+
 HAS_CUDA = torch.cuda.is_available()
-
-if not HAS_CUDA:
-    # triton.jit decides at decoration time whether a kernel is interpreted, and Triton's own library
-    # re-checks TRITON_INTERPRET later (at the first launch), so the variable is set for the whole
-    # test process and the kernel modules are (re)imported under it. The public API reads it at call
-    # time: in this process float16/bfloat16 CPU tensors run the kernels under the interpreter.
-    os.environ["TRITON_INTERPRET"] = "1"
-    import flashattn.backward
-    import flashattn.forward
-
-    if type(flashattn.forward._attn_fwd_kernel).__name__ != "InterpretedFunction":
-        importlib.reload(flashattn.forward)
-        importlib.reload(flashattn.backward)
-
-import flashattn  # noqa: E402
-from flashattn.backward import attention_backward  # noqa: E402
-from flashattn.forward import attention_forward  # noqa: E402
-from flashattn.reference import naive_attention  # noqa: E402
-from flashattn.testing import assert_close_ratio, random_qkv, rel_err  # noqa: E402
-
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -61,8 +45,8 @@ def _references(q, k, v, do, causal, scale):
 
 def _check_against_reference(q, k, v, do, causal, scale, *, floor=1e-5):
     """Run forward and backward kernels, assert the error ratio for each output, return the errors."""
-    o, lse = attention_forward(q, k, v, causal, scale)
-    dq, dk, dv = attention_backward(do, q, k, v, o, lse, causal, scale)
+    o, lse = attention_forward(q, k, v, Problem.of(q, k, causal, scale))
+    dq, dk, dv = attention_backward(do, q, k, v, o, lse, Problem.of(q, k, causal, scale))
     assert o.shape == q.shape and o.dtype == q.dtype
     assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
@@ -193,8 +177,9 @@ def test_public_api_reaches_the_kernels(causal, monkeypatch):
     o.backward(do)
     assert calls == {"fwd": 1, "bwd": 1}
     # the same numbers as calling the launchers directly
-    o_k, lse_k = fwd(q, k, v, causal, d ** -0.5)
-    dq_k, dk_k, dv_k = bwd(do, q, k, v, o_k, lse_k, causal, d ** -0.5)
+    problem = Problem.of(q, k, causal, d ** -0.5)
+    o_k, lse_k = fwd(q, k, v, problem)
+    dq_k, dk_k, dv_k = bwd(do, q, k, v, o_k, lse_k, problem)
     assert torch.equal(o, o_k) and torch.equal(lse, lse_k)
     assert torch.equal(qg.grad, dq_k) and torch.equal(kg.grad, dk_k) and torch.equal(vg.grad, dv_k)
     # and flash_attn_func's (B, N, H, D) layout reaches them too
@@ -219,7 +204,7 @@ def test_inputs_descriptors_cannot_read_are_copied(causal):
     copied into padded buffers before the launch; the results must be as exact as for any input.
     D = 20 in fp16 is a 40-byte row: even the contiguous tensor needs the padded copy.
     """
-    from flashattn.forward import _addressable, _describable
+    from flashattn._triton import addressable as _addressable, describable as _describable
 
     b, h, n, d = (1, 4, 1000, 64) if HAS_CUDA else (1, 2, 37, 16)
     views = _misaligned_views(b, h, n, d, torch.float16)
@@ -242,8 +227,8 @@ def test_outputs_keep_the_input_layout():
     """A (B, N, H, D) view gives o and dq in (B, N, H, D) memory too: no hidden transposing copy."""
     b, h, n, d = (2, 4, 256, 64) if HAS_CUDA else (1, 2, 20, 16)
     q, k, v, do = _inputs(b, h, h, n, n, d, torch.float16, layout="bnhd")
-    o, lse = attention_forward(q, k, v, False, d ** -0.5)
-    dq, dk, dv = attention_backward(do, q, k, v, o, lse, False, d ** -0.5)
+    o, lse = attention_forward(q, k, v, Problem.of(q, k, False, d ** -0.5))
+    dq, dk, dv = attention_backward(do, q, k, v, o, lse, Problem.of(q, k, False, d ** -0.5))
     for x, ref in ((o, q), (dq, q), (dk, k), (dv, v)):
         assert x.stride() == ref.stride()
 
@@ -318,9 +303,9 @@ def test_gpu_matches_float64(case, dtype, record_property):
 def test_gpu_backward_is_deterministic(causal, dtype):
     """Two backward passes on the same inputs are bitwise equal (no atomics, fixed reduction order)."""
     q, k, v, do = _inputs(2, 16, 4, 2048, 2048, 128, dtype, seed=11)
-    o, lse = attention_forward(q, k, v, causal, 128 ** -0.5)
-    first = attention_backward(do, q, k, v, o, lse, causal, 128 ** -0.5)
-    second = attention_backward(do, q, k, v, o, lse, causal, 128 ** -0.5)
+    o, lse = attention_forward(q, k, v, Problem.of(q, k, causal, 128 ** -0.5))
+    first = attention_backward(do, q, k, v, o, lse, Problem.of(q, k, causal, 128 ** -0.5))
+    second = attention_backward(do, q, k, v, o, lse, Problem.of(q, k, causal, 128 ** -0.5))
     for a, b_ in zip(first, second):
         assert torch.equal(a, b_)
 
@@ -333,8 +318,8 @@ def test_gpu_poisoned_outputs_are_fully_written():
     torch.cuda.empty_cache()
     filler = [torch.full((1 << 24,), float("nan"), device=DEVICE) for _ in range(4)]  # dirty the allocator
     del filler
-    o, lse = attention_forward(q, k, v, True, 72 ** -0.5)
-    grads = attention_backward(do, q, k, v, o, lse, True, 72 ** -0.5)
+    o, lse = attention_forward(q, k, v, Problem.of(q, k, True, 72 ** -0.5))
+    grads = attention_backward(do, q, k, v, o, lse, Problem.of(q, k, True, 72 ** -0.5))
     for x in (o, lse, *grads):
         assert not torch.isnan(x).any()
 
@@ -347,8 +332,8 @@ def test_gpu_long_single_head_runs_in_linear_memory():
     q, k, v, do = _inputs(1, 1, 1, n, n, d, torch.float16, seed=17)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    o, lse = attention_forward(q, k, v, True, d ** -0.5)
-    dq, dk, dv = attention_backward(do, q, k, v, o, lse, True, d ** -0.5)
+    o, lse = attention_forward(q, k, v, Problem.of(q, k, True, d ** -0.5))
+    dq, dk, dv = attention_backward(do, q, k, v, o, lse, Problem.of(q, k, True, d ** -0.5))
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < 64 * n * d, f"extra memory {extra / 2**20:.0f} MiB is not O(N)"
     for x in (o, dq, dk, dv):
@@ -408,7 +393,7 @@ def test_gpu_autotuned_path(monkeypatch):
     q, k, v, do = _inputs(2, 8, 2, 1500, 1700, 64, torch.float16, seed=19)
     _check_against_reference(q, k, v, do, True, 64 ** -0.5)
     assert {key[0] for key in _config._TUNED} == {"fwd", "bwd_dkdv", "bwd_dq"}
-    o, lse = attention_forward(q, k, v, True, 64 ** -0.5)
-    first = attention_backward(do, q, k, v, o, lse, True, 64 ** -0.5)
-    second = attention_backward(do, q, k, v, o, lse, True, 64 ** -0.5)
+    o, lse = attention_forward(q, k, v, Problem.of(q, k, True, 64 ** -0.5))
+    first = attention_backward(do, q, k, v, o, lse, Problem.of(q, k, True, 64 ** -0.5))
+    second = attention_backward(do, q, k, v, o, lse, Problem.of(q, k, True, 64 ** -0.5))
     assert all(torch.equal(a, b) for a, b in zip(first, second))

@@ -1,0 +1,188 @@
+"""What the Triton kernels share: base-2 constants, the schedule compiled for the device, tile
+descriptors, the program-to-tile map, and a launcher that remembers compiled kernels.
+
+:mod:`flashattn.forward` and :mod:`flashattn.backward` import from here and never from each other.
+Importing this module imports Triton, but touches no GPU and no driver.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import triton
+import triton.language as tl
+
+from flashattn import _config, constants, schedule
+
+# Kernels may read module globals only when they are constexpr; host code uses ``.value``.
+LOG2E = tl.constexpr(constants.LOG2E)
+LN2 = tl.constexpr(constants.LN2)
+
+
+# --8<-- [start:device-schedule]
+@triton.jit
+def _minimum(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _clamp(x, lo, hi):
+    return tl.minimum(tl.maximum(x, lo), hi)
+
+
+@triton.jit
+def _select(condition, if_true, if_false):
+    return tl.where(condition, if_true, if_false)
+
+
+# The kernels' view of flashattn.schedule: the same functions, compiled, with the four primitives
+# swapped for their Triton twins. Triton's interpreter insists on seeing triton.language among a
+# jitted function's globals, so the clones get a copy of the module's globals with it added.
+_SCOPE = dict(vars(schedule), tl=tl, minimum=_minimum, maximum=_maximum, clamp=_clamp, select=_select)
+
+
+def device_fn(fn):
+    """``fn`` of :mod:`flashattn.schedule`, compiled with ``triton.jit`` over the device primitives."""
+    clone = types.FunctionType(fn.__code__, _SCOPE, fn.__name__, fn.__defaults__, fn.__closure__)
+    clone.__doc__, clone.__module__, clone.__qualname__ = fn.__doc__, fn.__module__, fn.__qualname__
+    jitted = triton.jit(clone)
+    _SCOPE[fn.__name__] = jitted  # composed functions call the compiled versions of their parts
+    return jitted
+
+
+for _name in ("fwd_first_masked_key", "fwd_end_visible_key", "bwd_first_seeing_query", "bwd_first_full_query"):
+    device_fn(getattr(schedule, _name))
+visible = device_fn(schedule.visible)
+forward_key_range = device_fn(schedule.forward_key_range)
+dq_key_range = device_fn(schedule.dq_key_range)
+backward_query_range = device_fn(schedule.backward_query_range)
+launch_order = device_fn(schedule.launch_order)
+# --8<-- [end:device-schedule]
+
+
+# --8<-- [start:program-tile]
+@triton.jit
+def program_tile(n_blocks, heads_per_group, LONGEST_FIRST: tl.constexpr):
+    """(block, batch * head) of this program.
+
+    The grid is one-dimensional, ``n_blocks * B * H`` programs long, so B * H is not bound by the
+    65 535 programs that grid axes 1 and 2 allow. Programs launch in the order of their index, and the
+    schedule's :func:`flashattn.schedule.launch_order` maps that index to a tile: without a causal mask
+    (one head per group) that is plain row-major order; with one, rank 0, the block with the most
+    work, launches first across a group of heads. ``LONGEST_FIRST`` turns rank into a query block
+    (the last query block walks the most keys); key blocks of dK/dV are already longest first.
+    """
+    rank, i_bh = launch_order(tl.program_id(0), n_blocks, heads_per_group)
+    block = rank
+    if LONGEST_FIRST:
+        block = n_blocks - 1 - rank
+    return block, i_bh
+# --8<-- [end:program-tile]
+
+
+def interpreter_needs_float32(x: torch.Tensor) -> bool:
+    # Triton's CPU interpreter (3.9) multiplies bfloat16 tiles in tl.dot as raw 16-bit integers, so on
+    # the CPU a bfloat16 problem runs in float32 and its results are rounded back. GPUs never take this.
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and _config.is_interpreter()
+
+
+def describable(x: torch.Tensor) -> bool:
+    """Whether a tensor descriptor (a TMA copy on Hopper) may read ``x`` in place: the head dim
+    contiguous, and the start and every other stride a multiple of 16 bytes."""
+    size = x.element_size()
+    return (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+            and all(st * size % 16 == 0 for st in x.stride()[:-1]))
+
+
+def addressable(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when the kernels can read it through tensor descriptors, else an aligned copy.
+
+    Any layout whose strides are multiples of 16 bytes is read in place: (B, H, N, D), the
+    (B, N, H, D) view of ``flash_attn_func``, slices of a larger buffer. Anything else (a strided
+    head dim, an odd start, or rows of D elements that are not a multiple of 16 bytes, like
+    D = 20 in fp16) is copied into a (B, H, N, D') buffer whose rows are padded to 16 bytes; the
+    returned view still has D columns, so the padding is never read.
+    """
+    if describable(x):
+        return x
+    per_16_bytes = 16 // x.element_size()
+    padded_d = -(-x.shape[-1] // per_16_bytes) * per_16_bytes
+    buffer = torch.empty((*x.shape[:-1], padded_d), dtype=x.dtype, device=x.device)
+    view = buffer[..., : x.shape[-1]]
+    view.copy_(x)
+    return view
+
+
+def dense_like(x: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor shaped like ``x``, keeping its memory layout where the last dim is dense
+    (e.g. (B, N, H, D) for a transposed view), so outputs match their inputs' layout."""
+    out = torch.empty_like(x)
+    return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def tile_desc(x: torch.Tensor, rows: int, block_d: int):
+    """A tensor descriptor of the (B, H, L, D) tensor ``x`` that reads [rows, block_d] tiles of one head.
+
+    Made on the host per launch, so no program spends time building one; ``x`` must pass
+    :func:`describable` (the launchers call :func:`addressable` first). Rows past L and columns past
+    D load as zeros: the bounds are per dimension, so a tile never runs into the next head.
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, block_d])
+
+
+# --8<-- [start:launch]
+_COMPILED: dict = {}  # launch signature -> the kernel Triton compiled for it
+_FAST_LAUNCH = [True]  # cleared for good if this Triton cannot launch a compiled kernel directly
+
+
+def _signature(kernel, args: tuple, constexprs: dict, options: dict) -> tuple:
+    """Everything Triton's specialization of ``kernel`` can depend on, and more: the value of every
+    integer, the dtype, strides and 16-byte alignment of every tensor (and of every descriptor's
+    tensor, with its block shape), the constexprs, the options and the device."""
+    key = [kernel, torch.cuda.current_device(), tuple(constexprs.items()), tuple(options.items())]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.stride(), a.data_ptr() % 16))
+        elif isinstance(a, float):
+            key.append(float)  # floats are never specialized on their value
+        elif isinstance(a, int):
+            key.append(a)
+        else:  # a tensor descriptor
+            key.append((a.base.dtype, a.base.stride(), a.base.data_ptr() % 16, tuple(a.shape), tuple(a.block_shape)))
+    return tuple(key)
+
+
+def launch(kernel, grid: int, args: tuple, constexprs: dict, options: dict) -> None:
+    """Launch ``kernel`` on a 1-D grid of ``grid`` programs on the current device and stream.
+
+    ``kernel[grid](...)`` spends tens of microseconds per call binding and specializing every
+    argument before it finds the compiled kernel in Triton's cache, which is most of a short call.
+    After the first launch of a signature (:func:`_signature`) the arguments go straight to the
+    kernel Triton compiled for it. ``constexprs`` must follow the kernel's parameter order. The
+    interpreter always takes Triton's own path.
+    """
+    if _config.is_interpreter():
+        kernel[(grid,)](*args, **constexprs, **options)
+        return
+    signature = _signature(kernel, args, constexprs, options)
+    compiled = _COMPILED.get(signature) if _FAST_LAUNCH[0] else None
+    if compiled is not None:
+        try:
+            compiled[(grid, 1, 1)](*args, *constexprs.values())
+            return
+        except (AttributeError, TypeError):  # an older or newer Triton: keep its own launch path
+            _FAST_LAUNCH[0] = False
+    compiled = kernel[(grid,)](*args, **constexprs, **options)
+    if compiled is not None:
+        if len(_COMPILED) > 4096:  # many distinct lengths: start over rather than grow without bound
+            _COMPILED.clear()
+        _COMPILED[signature] = compiled.result() if hasattr(compiled, "result") else compiled
+# --8<-- [end:launch]

@@ -1,0 +1,89 @@
+"""flashattn's attention as PyTorch custom operators, so ``torch.compile`` can trace it.
+
+``torch.ops.flashattn.attention_forward(q, k, v, causal, scale) -> (o, lse)`` and
+``torch.ops.flashattn.attention_backward(do, q, k, v, o, lse, dlse, causal, scale) -> (dq, dk, dv)``
+are registered with :mod:`torch.library`: a fake (meta) implementation gives Dynamo and AOTAutograd
+the output shapes without running anything, and the forward's autograd formula calls the backward
+operator. To the compiler each is one opaque node, so ``torch.compile(fullgraph=True)`` traces a
+model that calls :func:`flashattn.attention` without a graph break, with dynamic shapes and under
+CUDA graphs (``mode="reduce-overhead"``). The implementations are the same backends the eager path
+runs (:func:`flashattn.autograd.backend`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flashattn import _config
+from flashattn.autograd import backend
+from flashattn.problem import Problem
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what the Triton kernels run
+
+
+def use_kernels(q: Tensor) -> bool:
+    """CUDA tensors run the Triton kernels; so do float16/bfloat16 CPU tensors under the interpreter."""
+    return q.is_cuda or (_config.is_interpreter() and q.dtype in KERNEL_DTYPES)
+
+
+def _like(x: Tensor) -> Tensor:
+    """A fresh tensor with the layout the kernels give their outputs: ``x``'s own where its last dim
+    is dense (a (B, N, H, D) view stays one), contiguous otherwise."""
+    out = torch.empty_like(x)
+    return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _in_layout(x: Tensor, like: Tensor) -> Tensor:
+    # The reference returns contiguous tensors; an operator must return the layout its fake promises.
+    if x.stride() == like.stride():
+        return x
+    out = _like(like)
+    out.copy_(x)
+    return out
+
+
+@torch.library.custom_op("flashattn::attention_forward", mutates_args=())
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    o, lse = backend(use_kernels(q))[0](q, k, v, Problem.of(q, k, causal, scale))
+    return _in_layout(o, q), lse
+
+
+@attention_forward.register_fake
+def _(q, k, v, causal, scale):
+    b, h_q, n, _ = q.shape
+    return _like(q), q.new_empty((b, h_q, n), dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op("flashattn::attention_backward", mutates_args=())
+def attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                       dlse: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = backend(use_kernels(q))[1](do, q, k, v, o, lse, Problem.of(q, k, causal, scale), dlse)
+    return _in_layout(dq, q), _in_layout(dk, k), _in_layout(dv, v)
+
+
+@attention_backward.register_fake
+def _(do, q, k, v, o, lse, dlse, causal, scale):
+    return _like(q), _like(k), _like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = torch.ops.flashattn.attention_backward(do, q, k, v, o, lse, dlse, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,51 @@
+"""One small, immutable description of an attention call.
+
+:mod:`flashattn.api` validates the tensors and options once and builds a :class:`Problem`; everything
+after it (the references, :mod:`flashattn._config`, the launchers, the custom operator) takes that
+description instead of a growing list of loose arguments. New options (windows, softcap, packed
+sequences, ...) become new fields here, validated in one place.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flashattn.constants import LOG2E
+
+
+@dataclass(frozen=True)
+class Problem:
+    batch: int  # B
+    heads_q: int  # Hq
+    heads_kv: int  # Hkv, divides Hq
+    n: int  # queries per head, N
+    m: int  # keys per head, M
+    head_dim: int  # D
+    dtype: torch.dtype
+    causal: bool  # bottom-right aligned: query i sees key j when j <= i + M - N
+    scale: float  # softmax scale tau in S = tau Q K^T
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool = False, scale: float | None = None) -> "Problem":
+        """The description of attention of q (B, Hq, N, D) over k (B, Hkv, M, D); the caller validates."""
+        batch, heads_q, n, head_dim = q.shape
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        return cls(batch, heads_q, k.shape[1], n, k.shape[2], head_dim, q.dtype, bool(causal), scale)
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head (1 for multi-head, Hq for multi-query attention)."""
+        return self.heads_q // self.heads_kv
+
+    @property
+    def qk_scale(self) -> float:
+        """The scale of base-2 scores: exp(tau * s) = exp2(tau * log2(e) * s)."""
+        return self.scale * LOG2E
+
+    @property
+    def block_d(self) -> int:
+        """The head dim padded to a power of two of at least 16, as tl.dot and tl.arange need."""
+        return max(16, 1 << (self.head_dim - 1).bit_length())

@@ -1,0 +1,287 @@
+"""The drop-in guarantees: the custom operators, torch.compile, autocast, device placement, any grid.
+
+On the CPU the operators run the reference (float64) or the kernels under the interpreter (float16);
+the GPU-marked tests repeat what needs a device: compile with Inductor and CUDA graphs, autocast,
+tensors on a non-current GPU, threads on two GPUs, B * H past 65 535, and more than 2^31 elements.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import flashattn
+from flashattn import schedule
+from flashattn.reference import naive_attention
+from flashattn.testing import assert_close_ratio, random_qkv
+
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+needs_two_gpus = pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+def _qkv(b, h_q, h_kv, n, m, d, dtype, device="cpu", seed=0, layout="bhnd"):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return random_qkv(b, h_q, h_kv, n, m, d, dtype=dtype, device=device, generator=gen, layout=layout)
+
+
+def test_operators_are_registered():
+    assert hasattr(torch.ops.flashattn, "attention_forward")
+    assert hasattr(torch.ops.flashattn, "attention_backward")
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_opcheck_on_the_reference_path(causal, layout, monkeypatch):
+    """torch.library.opcheck: schema, fake tensors, autograd registration and AOT dispatch agree."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = _qkv(1, 4, 2, 7, 11, 16, torch.float64, layout=layout)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    torch.library.opcheck(torch.ops.flashattn.attention_forward.default, (q, k, v, causal, 0.3))
+    o, lse = torch.ops.flashattn.attention_forward(q, k, v, causal, 0.3)
+    do, dlse = torch.randn_like(o), torch.randn_like(lse)
+    args = (do, q.detach(), k.detach(), v.detach(), o.detach(), lse.detach())
+    torch.library.opcheck(torch.ops.flashattn.attention_backward.default, (*args, dlse, causal, 0.3))
+    torch.library.opcheck(torch.ops.flashattn.attention_backward.default, (*args, None, causal, 0.3))
+
+
+def test_fake_outputs_have_the_real_shapes_dtypes_and_layouts(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    real = _qkv(2, 4, 1, 9, 13, 24, torch.float64, layout="bnhd")
+    o, lse = torch.ops.flashattn.attention_forward(*real, True, 0.5)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(x) for x in real]
+        fo, flse = torch.ops.flashattn.attention_forward(*fake, True, 0.5)
+    for f, r in ((fo, o), (flse, lse)):
+        assert f.shape == r.shape and f.dtype == r.dtype and f.stride() == r.stride()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_compile_fullgraph_traces_forward_and_backward(causal, monkeypatch):
+    """No graph break (fullgraph=True) and the compiled gradients equal the eager ones, with dynamic N."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    torch._dynamo.reset()
+
+    def step(q, k, v, do):
+        o, lse = flashattn.attention(q, k, v, causal=causal, return_lse=True)
+        return (o * do).sum() + lse.sum()
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+    for n, m in ((5, 9), (8, 12), (13, 6)):
+        q, k, v = (x.requires_grad_() for x in _qkv(1, 2, 1, n, m, 16, torch.float64, seed=n))
+        do = torch.randn(q.shape, dtype=q.dtype)
+        eager = torch.autograd.grad(step(q, k, v, do), (q, k, v))
+        got = torch.autograd.grad(compiled(q, k, v, do), (q, k, v))
+        for g, e in zip(got, eager):
+            torch.testing.assert_close(g, e, rtol=0, atol=1e-12)
+
+
+def test_compiled_call_runs_the_kernels_under_the_interpreter():
+    """float16 CPU tensors under TRITON_INTERPRET=1 reach the Triton kernels through the operator."""
+    if HAS_CUDA:
+        pytest.skip("interpreter variant")
+    torch._dynamo.reset()
+    q, k, v = _qkv(1, 2, 2, 19, 23, 16, torch.float16, seed=3)
+    fn = torch.compile(lambda q, k, v: flashattn.attention(q, k, v, causal=True), fullgraph=True, backend="aot_eager")
+    got = fn(q, k, v)
+    o64, _ = naive_attention(q.double(), k.double(), v.double(), causal=True)
+    o16, _ = naive_attention(q, k, v, causal=True)
+    assert_close_ratio("o", got, o64, o16)
+
+
+@pytest.mark.parametrize("heads_per_group", [1, 3])
+@pytest.mark.parametrize("n_blocks", [1, 4, 7])
+def test_one_dimensional_grid_covers_every_tile_once(n_blocks, heads_per_group):
+    """The kernels' 1-D grid: program i takes schedule.launch_order(i, ...) and every (block, head)
+    pair of n_blocks x B*H is taken exactly once, for any B*H (no 65 535 limit on axis 0)."""
+    n_heads = 3 * 5 * heads_per_group
+    seen = {schedule.launch_order(pid, n_blocks, heads_per_group) for pid in range(n_blocks * n_heads)}
+    assert seen == {(r, h) for r in range(n_blocks) for h in range(n_heads)}
+
+
+def test_many_heads_under_the_interpreter():
+    """B * H = 600 programs per query block on the interpreter: every head lands where it belongs."""
+    if HAS_CUDA:
+        pytest.skip("interpreter variant; the GPU test runs B * H > 65 535")
+    q, k, v = _qkv(30, 20, 10, 3, 5, 16, torch.float16, seed=5)
+    got = flashattn.attention(q, k, v, causal=True)
+    o64, _ = naive_attention(q.double(), k.double(), v.double(), causal=True)
+    o16, _ = naive_attention(q, k, v, causal=True)
+    assert_close_ratio("o", got, o64, o16)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU
+
+
+def _gpu_check(q, k, v, causal, do=None):
+    qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    o = flashattn.attention(qg, kg, vg, causal=causal)
+    do = torch.randn_like(o) if do is None else do
+    o.backward(do)
+    refs = []
+    for dtype in (torch.float64, q.dtype):
+        qr, kr, vr = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
+        o_r, _ = naive_attention(qr, kr, vr, causal=causal)
+        o_r.backward(do.to(dtype))
+        refs.append((o_r, qr.grad, kr.grad, vr.grad))
+    for name, got, want, low in zip(("o", "dq", "dk", "dv"), (o, qg.grad, kg.grad, vg.grad), *refs):
+        assert_close_ratio(name, got, want.to(got.device), low.to(got.device))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_gpu_compile_with_inductor_and_cuda_graphs(mode):
+    torch._dynamo.reset()
+    q, k, v = _qkv(2, 8, 2, 384, 512, 64, torch.bfloat16, device="cuda", seed=11)
+
+    def step(q, k, v):
+        return flashattn.attention(q, k, v, causal=True)
+
+    compiled = torch.compile(step, fullgraph=True, mode=mode)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    for _ in range(3):  # CUDA graphs record on a later call; every call must stay right
+        o = compiled(qg, kg, vg)
+        grads = torch.autograd.grad(o, (qg, kg, vg), torch.ones_like(o))
+    o_e = step(qg, kg, vg)
+    grads_e = torch.autograd.grad(o_e, (qg, kg, vg), torch.ones_like(o_e))
+    assert torch.equal(o, o_e)
+    for g, e in zip(grads, grads_e):
+        assert torch.equal(g, e)
+
+
+@gpu
+@needs_cuda
+def test_gpu_compile_dynamic_lengths():
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: flashattn.attention(q, k, v, causal=True), fullgraph=True, dynamic=True)
+    for n in (200, 333, 1000):
+        q, k, v = _qkv(1, 4, 4, n, n + 17, 128, torch.float16, device="cuda", seed=n)
+        assert torch.equal(compiled(q, k, v), flashattn.attention(q, k, v, causal=True))
+
+
+@gpu
+@needs_cuda
+def test_gpu_autocast_runs_float32_in_the_autocast_dtype():
+    q, k, v = _qkv(2, 4, 2, 100, 130, 64, torch.float32, device="cuda", seed=2)
+    for dtype in (torch.float16, torch.bfloat16):
+        with torch.autocast("cuda", dtype=dtype):
+            o = flashattn.attention(q, k, v, causal=True)
+            ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1),
+                                                                   v.repeat_interleave(2, 1))
+        assert o.dtype == dtype == ref.dtype
+        assert torch.equal(o, flashattn.attention(q.to(dtype), k.to(dtype), v.to(dtype), causal=True))
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        flashattn.attention(q, k, v)
+
+
+@gpu
+@needs_cuda
+def test_gpu_many_heads_past_the_grid_axis_limit():
+    """B * H = 70 000 (issue: grid axes 1 and 2 stop at 65 535), forward and backward."""
+    q, k, v = _qkv(700, 100, 100, 64, 64, 32, torch.float16, device="cuda", seed=4)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    o = flashattn.attention(qg, kg, vg, causal=True)
+    o.sum().backward()
+    for sl in (slice(0, 1), slice(699, 700), slice(350, 351)):  # spot-check batches across the grid
+        q1, k1, v1 = q[sl].double(), k[sl].double(), v[sl].double()
+        o64, _ = naive_attention(q1, k1, v1, causal=True)
+        o16, _ = naive_attention(q[sl], k[sl], v[sl], causal=True)
+        assert_close_ratio("o", o[sl], o64, o16)
+    assert torch.isfinite(qg.grad).all() and torch.isfinite(kg.grad).all() and torch.isfinite(vg.grad).all()
+
+
+@gpu
+@needs_cuda
+def test_gpu_more_than_two_to_the_31_elements():
+    """A (B, N, H, D) view with 2^31 + elements: offsets past int32 in every load and store."""
+    b, n, h, d = 1, 2 ** 17 + 5, 128, 128  # 2.15e9 elements per tensor, in flash_attn's layout
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
+    assert q.numel() > 2 ** 31
+    k = q[:, :1]  # one K/V head (MQA) keeps the memory in bounds
+    v = torch.randn(b, 1, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    with torch.no_grad():
+        o = flashattn.attention(q, k, v, causal=True)
+    # the last heads and the last rows, where the offsets are largest, against float64
+    rows = slice(n - 300, n)
+    qs = q[:, -2:, rows].double()
+    s = (qs @ k.double().transpose(-1, -2)) * d ** -0.5  # rows near the end see (almost) every key
+    vis = schedule.visible(torch.arange(n - 300, n, device="cuda")[:, None], torch.arange(n, device="cuda")[None, :],
+                           n, n, True)
+    s = s.masked_fill(~vis, float("-inf"))
+    want = torch.softmax(s, -1) @ v.double()
+    err = (o[:, -2:, rows].double() - want).abs().max().item()
+    assert err < 2e-2, err
+
+
+@gpu
+@needs_two_gpus
+def test_gpu_tensors_on_a_non_current_device():
+    torch.cuda.set_device(0)
+    q, k, v = _qkv(2, 4, 2, 257, 300, 64, torch.float16, device="cuda:1", seed=8)
+    _gpu_check(q, k, v, causal=True)
+    assert torch.cuda.current_device() == 0
+
+
+@gpu
+@needs_two_gpus
+def test_gpu_two_threads_on_two_devices():
+    errors = []
+
+    def work(index):
+        try:
+            for seed in range(3):
+                q, k, v = _qkv(2, 4, 4, 300, 300, 128, torch.bfloat16, device=f"cuda:{index}", seed=seed)
+                _gpu_check(q, k, v, causal=bool(seed % 2))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+
+
+@gpu
+@needs_two_gpus
+def test_gpu_mixed_devices_raise():
+    q, k, v = _qkv(1, 2, 2, 16, 16, 64, torch.float16, device="cuda:0")
+    with pytest.raises(ValueError, match="one device"):
+        flashattn.attention(q, k.to("cuda:1"), v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_gradient_reaches_the_kernels(causal):
+    """return_lse is differentiable in the kernels too: dLSE folds into D (dS = P * (dP - D + dLSE)).
+    Ragged N > M so that causal rows with no key (LSE -inf, zero gradient) occur."""
+    dtype = torch.float16
+    device = "cuda" if HAS_CUDA else "cpu"
+    n, m = (700, 500) if HAS_CUDA else (37, 21)
+    q, k, v = _qkv(2, 4, 2, n, m, 40, dtype, device=device, seed=13)
+    gen = torch.Generator(device=device).manual_seed(14)
+    do = torch.randn(q.shape, dtype=dtype, device=device, generator=gen)
+    dlse = torch.randn(q.shape[:-1], dtype=torch.float32, device=device, generator=gen)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    o, lse = flashattn.attention(qg, kg, vg, causal=causal, return_lse=True)
+    got = torch.autograd.grad((o, lse), (qg, kg, vg), (do, dlse))
+    refs = []
+    for ref_dtype in (torch.float64, dtype):
+        qr, kr, vr = (x.detach().to(ref_dtype).requires_grad_() for x in (q, k, v))
+        o_r, lse_r = naive_attention(qr, kr, vr, causal=causal)
+        refs.append(torch.autograd.grad((o_r, lse_r), (qr, kr, vr), (do.to(ref_dtype), dlse.to(lse_r.dtype))))
+    for name, g, want, low in zip(("dq", "dk", "dv"), got, *refs):
+        assert_close_ratio(name, g, want, low)
+    # and the LSE's share is really there: without it dQ changes
+    qg2 = q.clone().requires_grad_()
+    o2 = flashattn.attention(qg2, kg.detach(), vg.detach(), causal=causal)
+    dq_o_only = torch.autograd.grad(o2, qg2, do)[0]
+    assert (dq_o_only.double() - got[0].double()).abs().max() > 1e-2
