@@ -124,7 +124,8 @@ class Tuning:
     overlap_dq: bool = True
 
 
-_TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("flashattn_tuning", default=Tuning())
+_DEFAULT_TUNING = Tuning()
+_TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("flashattn_tuning", default=_DEFAULT_TUNING)
 
 
 def current_tuning() -> Tuning:
@@ -234,3 +235,49 @@ def choose(kernel: str, problem: Problem, device: torch.device, launch) -> Kerne
                 best, best_ms = cfg, ms
         _TUNED[full_key] = best if best is not None else get_config(kernel, problem, device)
     return _TUNED[full_key]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one kernel launches for one problem: its config, its 1-D grid and its constexpr arguments."""
+
+    config: KernelConfig
+    n_blocks: int  # query blocks (key blocks for dK/dV) per (batch, head)
+    grid: int  # programs: n_blocks * batch * heads
+    heads_per_group: int  # of the causal launch order
+    constexprs: dict  # in the kernels' parameter order
+    options: dict  # Triton's launch options
+
+
+def plan_for(kernel: str, problem: Problem, device: torch.device, cfg: KernelConfig) -> Plan:
+    """The :class:`Plan` of ``kernel`` for ``problem`` with the configuration ``cfg``."""
+    if kernel == "bwd_dkdv":  # one program per key block of a key/value head
+        n_blocks, heads = -(-problem.m // cfg.block_n), problem.heads_kv
+    else:  # one program per query block of a query head
+        n_blocks, heads = -(-problem.n // cfg.block_m), problem.heads_q
+    group = heads_per_group((n_blocks, problem.batch * heads), device, problem.causal)
+    constexprs = dict(CAUSAL=problem.causal, HEAD_DIM=problem.head_dim, BLOCK_D=problem.block_d,
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+    return Plan(cfg, n_blocks, n_blocks * problem.batch * heads, group, constexprs, cfg.options())
+
+
+_PLANS: dict = {}  # (kernel, problem, device index) -> Plan, for calls with the default tuning
+
+
+def plan(kernel: str, problem: Problem, device: torch.device, launch) -> Plan:
+    """The :class:`Plan` of ``kernel`` for ``problem`` on ``device``, chosen by :func:`choose`.
+
+    Remembered per problem, so a training loop that repeats its shapes pays for the choice once
+    (``FLASHATTN_AUTOTUNE`` is read the first time a problem is seen). Calls inside :func:`tuning`
+    choose afresh every time.
+    """
+    key = (kernel, problem, device.index)
+    cacheable = current_tuning() is _DEFAULT_TUNING
+    if cacheable:
+        found = _PLANS.get(key)
+        if found is not None:
+            return found
+    result = plan_for(kernel, problem, device, choose(kernel, problem, device, launch))
+    if cacheable:
+        _PLANS[key] = result
+    return result

@@ -147,16 +147,18 @@ def _signature(kernel, args: tuple, constexprs: dict, options: dict) -> tuple:
     """Everything Triton's specialization of ``kernel`` can depend on, and more: the value of every
     integer, the dtype, strides and 16-byte alignment of every tensor (and of every descriptor's
     tensor, with its block shape), the constexprs, the options and the device."""
-    key = [kernel, torch.cuda.current_device(), tuple(constexprs.items()), tuple(options.items())]
+    key = [kernel, torch.cuda.current_device(), *constexprs.values(), *options.values()]
     for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.stride(), a.data_ptr() % 16))
-        elif isinstance(a, float):
-            key.append(float)  # floats are never specialized on their value
-        elif isinstance(a, int):
+        kind = type(a)
+        if kind is int:
             key.append(a)
+        elif kind is float:
+            key.append(float)  # floats are never specialized on their value
+        elif isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.stride(), a.data_ptr() % 16))
         else:  # a tensor descriptor
-            key.append((a.base.dtype, a.base.stride(), a.base.data_ptr() % 16, tuple(a.shape), tuple(a.block_shape)))
+            base = a.base
+            key.append((base.dtype, base.stride(), base.data_ptr() % 16, tuple(a.shape), tuple(a.block_shape)))
     return tuple(key)
 
 
@@ -169,7 +171,7 @@ def launch(kernel, grid: int, args: tuple, constexprs: dict, options: dict) -> N
     kernel Triton compiled for it. ``constexprs`` must follow the kernel's parameter order. The
     interpreter always takes Triton's own path.
     """
-    if _config.is_interpreter():
+    if type(kernel).__name__ == "InterpretedFunction":  # jitted while TRITON_INTERPRET was set
         kernel[(grid,)](*args, **constexprs, **options)
         return
     signature = _signature(kernel, args, constexprs, options)

@@ -300,31 +300,27 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None):
             p.heads_q, p.n, n_rows),
            dict(HAS_DLSE=has_dlse, HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=block), {})
 
-    def run_dkdv(cfg: _config.KernelConfig):
-        n_blocks = triton.cdiv(p.m, cfg.block_n)
+    def run_dkdv(plan: _config.Plan):
+        cfg = plan.config
         args = (tile_desc(q, cfg.block_m, p.block_d), tile_desc(k, cfg.block_n, p.block_d),
                 tile_desc(v, cfg.block_n, p.block_d), tile_desc(do, cfg.block_m, p.block_d),
                 lse2, delta, dk, dv,
                 dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-                p.heads_q, p.heads_kv, p.group, p.n, p.m, p.qk_scale, p.scale, n_blocks,
-                _config.heads_per_group((n_blocks, p.batch * p.heads_kv), q.device, p.causal))
-        launch(_bwd_dkdv_kernel, n_blocks * p.batch * p.heads_kv, args,
-               dict(CAUSAL=p.causal, HEAD_DIM=p.head_dim, BLOCK_D=p.block_d,
-                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n), cfg.options())
+                p.heads_q, p.heads_kv, p.group, p.n, p.m, p.qk_scale, p.scale, plan.n_blocks, plan.heads_per_group)
+        launch(_bwd_dkdv_kernel, plan.grid, args, plan.constexprs, plan.options)
 
-    def run_dq(cfg: _config.KernelConfig):
-        n_blocks = triton.cdiv(p.n, cfg.block_m)
+    def run_dq(plan: _config.Plan):
+        cfg = plan.config
         args = (tile_desc(q, cfg.block_m, p.block_d), tile_desc(k, cfg.block_n, p.block_d),
                 tile_desc(v, cfg.block_n, p.block_d), tile_desc(do, cfg.block_m, p.block_d),
                 lse2, delta, dq, dq.stride(0), dq.stride(1), dq.stride(2),
-                p.heads_q, p.group, p.n, p.m, p.qk_scale, p.scale, n_blocks,
-                _config.heads_per_group((n_blocks, p.batch * p.heads_q), q.device, p.causal))
-        launch(_bwd_dq_kernel, n_blocks * p.batch * p.heads_q, args,
-               dict(CAUSAL=p.causal, HEAD_DIM=p.head_dim, BLOCK_D=p.block_d,
-                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n), cfg.options())
+                p.heads_q, p.group, p.n, p.m, p.qk_scale, p.scale, plan.n_blocks, plan.heads_per_group)
+        launch(_bwd_dq_kernel, plan.grid, args, plan.constexprs, plan.options)
 
-    cfg_dkdv = _config.choose("bwd_dkdv", problem, q.device, run_dkdv)
-    cfg_dq = _config.choose("bwd_dq", problem, q.device, run_dq)
+    # autotuning (opt-in) times candidate configs through the same launches
+    device = q.device
+    plan_dkdv = _config.plan("bwd_dkdv", p, device, lambda c: run_dkdv(_config.plan_for("bwd_dkdv", p, device, c)))
+    plan_dq = _config.plan("bwd_dq", p, device, lambda c: run_dq(_config.plan_for("bwd_dq", p, device, c)))
     if _config.current_tuning().overlap_dq and q.is_cuda:
         # The two kernels read the same inputs and write disjoint outputs, so they may run side by
         # side: on a second stream the dQ programs fill the SMs that the last wave of dK/dV leaves
@@ -332,12 +328,12 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None):
         # so every tensor used here stays alive and unchanged until both kernels are done.
         main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
         side.wait_stream(main)  # delta is written
-        run_dkdv(cfg_dkdv)
+        run_dkdv(plan_dkdv)
         with torch.cuda.stream(side):
-            run_dq(cfg_dq)
+            run_dq(plan_dq)
         main.wait_stream(side)
     else:
-        run_dkdv(cfg_dkdv)
-        run_dq(cfg_dq)
+        run_dkdv(plan_dkdv)
+        run_dq(plan_dq)
     return dq, dk, dv
 # --8<-- [end:bwd-launch]

@@ -160,18 +160,15 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem
     o = dense_like(q)  # keeps q's memory layout, e.g. (B, N, H, D) for a transposed view
     lse = torch.empty((p.batch, p.heads_q, p.n), dtype=torch.float32, device=q.device)
 
-    def run(cfg: _config.KernelConfig):
-        n_blocks = triton.cdiv(p.n, cfg.block_m)
-        grid = n_blocks * p.batch * p.heads_q
+    def run(plan: _config.Plan):
+        cfg = plan.config
         args = (tile_desc(q, cfg.block_m, p.block_d), tile_desc(k, cfg.block_n, p.block_d),
                 tile_desc(v, cfg.block_n, p.block_d), o, lse,
                 o.stride(0), o.stride(1), o.stride(2),
-                p.heads_q, p.group, p.n, p.m, p.qk_scale, n_blocks,
-                _config.heads_per_group((n_blocks, p.batch * p.heads_q), q.device, p.causal))
-        constexprs = dict(CAUSAL=p.causal, HEAD_DIM=p.head_dim, BLOCK_D=p.block_d,
-                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
-        launch(_attn_fwd_kernel, grid, args, constexprs, cfg.options())
+                p.heads_q, p.group, p.n, p.m, p.qk_scale, plan.n_blocks, plan.heads_per_group)
+        launch(_attn_fwd_kernel, plan.grid, args, plan.constexprs, plan.options)
 
-    run(_config.choose("fwd", problem, q.device, run))
+    # autotuning (opt-in) times candidate configs through the same launch
+    run(_config.plan("fwd", p, q.device, lambda cfg: run(_config.plan_for("fwd", p, q.device, cfg))))
     return o, lse
 # --8<-- [end:fwd-launch]
