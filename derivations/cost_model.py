@@ -39,13 +39,13 @@ NEGATIVE = "12N²d two-kernel backward (dQ kernel without dP), in the model and 
 
 # --8<-- [start:loops]
 # Tile shapes inside one (query block, key block) iteration. Query-side tiles have block_m rows,
-# key-side tiles block_n rows; score-like tiles are block_m × block_n; LSE and D one number per row.
+# key-side tiles block_n rows; score-like tiles are block_m × block_n; LSE and δ one number per row.
 TILE_SHAPES = {
     "Q": ("block_m", "d"), "O": ("block_m", "d"), "dO": ("block_m", "d"), "dQ": ("block_m", "d"),
     "K": ("block_n", "d"), "V": ("block_n", "d"), "dK": ("block_n", "d"), "dV": ("block_n", "d"),
     "S": ("block_m", "block_n"), "P": ("block_m", "block_n"),
     "dP": ("block_m", "block_n"), "dS": ("block_m", "block_n"),
-    "LSE": ("block_m", "1"), "D": ("block_m", "1"), "m_l": ("block_m", "1"),
+    "LSE": ("block_m", "1"), "δ": ("block_m", "1"), "m_l": ("block_m", "1"),
 }
 
 
@@ -84,31 +84,31 @@ FORWARD = (Kernel("forward", loads=("Q", "K", "V"), outputs=("O", "LSE"), state=
     MatMul("O", "P", "V", accumulate=True),  # acc += P V (rescaled by α first)
 ), epilogue=(Elementwise("LSE", ("m_l",)),)),)  # O = acc / l, LSE₂ = m + log2 l
 
-BACKWARD_ATOMIC_DQ = (Kernel("dK, dV and atomic dQ", loads=("Q", "K", "V", "dO", "LSE", "D"),
+BACKWARD_ATOMIC_DQ = (Kernel("dK, dV and atomic dQ", loads=("Q", "K", "V", "dO", "LSE", "δ"),
                              outputs=("dQ", "dK", "dV"), body=(
     MatMul("S", "Q", "K^T"),
     Elementwise("P", ("S", "LSE")),          # P = 2^(S·c − LSE₂), recomputed
     MatMul("dV", "P^T", "dO", accumulate=True),
     MatMul("dP", "dO", "V^T"),
-    Elementwise("dS", ("P", "dP", "D")),     # dS = P ∘ (dP − D)
+    Elementwise("dS", ("P", "dP", "δ")),     # dS = P ∘ (dP − δ)
     MatMul("dK", "dS^T", "Q", accumulate=True),
     MatMul("dQ", "dS", "K", accumulate=True),  # atomic add: many key blocks write one dQ tile
 )),)
 
 BACKWARD_TWO_KERNELS = (
-    Kernel("dK, dV", loads=("Q", "K", "V", "dO", "LSE", "D"), outputs=("dK", "dV"), body=(
+    Kernel("dK, dV", loads=("Q", "K", "V", "dO", "LSE", "δ"), outputs=("dK", "dV"), body=(
         MatMul("S", "Q", "K^T"),
         Elementwise("P", ("S", "LSE")),
         MatMul("dV", "P^T", "dO", accumulate=True),
         MatMul("dP", "dO", "V^T"),
-        Elementwise("dS", ("P", "dP", "D")),
+        Elementwise("dS", ("P", "dP", "δ")),
         MatMul("dK", "dS^T", "Q", accumulate=True),
     )),
-    Kernel("dQ", loads=("Q", "K", "V", "dO", "LSE", "D"), outputs=("dQ",), body=(
+    Kernel("dQ", loads=("Q", "K", "V", "dO", "LSE", "δ"), outputs=("dQ",), body=(
         MatMul("S", "Q", "K^T"),
         Elementwise("P", ("S", "LSE")),
         MatMul("dP", "dO", "V^T"),           # dS needs dP, so the dQ kernel recomputes it too
-        Elementwise("dS", ("P", "dP", "D")),
+        Elementwise("dS", ("P", "dP", "δ")),
         MatMul("dQ", "dS", "K", accumulate=True),
     )),
 )
@@ -268,10 +268,10 @@ def check() -> CheckResult:
                  and 2 * (len(products["dK, dV"]) + len(products["dQ"])) == _coefficient(BACKWARD_TWO_KERNELS))
     # --8<-- [end:numeric]
     # --8<-- [start:negative]
-    dq_kernel_without_dp = Kernel("dQ (no dP)", loads=("Q", "K", "V", "dO", "LSE", "D"), outputs=("dQ",), body=(
+    dq_kernel_without_dp = Kernel("dQ (no dP)", loads=("Q", "K", "V", "dO", "LSE", "δ"), outputs=("dQ",), body=(
         MatMul("S", "Q", "K^T"),
         Elementwise("P", ("S", "LSE")),
-        Elementwise("dS", ("P", "dP", "D")),
+        Elementwise("dS", ("P", "dP", "δ")),
         MatMul("dQ", "dS", "K", accumulate=True),
     ))
     twelve = (BACKWARD_TWO_KERNELS[0], dq_kernel_without_dp)
