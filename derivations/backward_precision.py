@@ -30,6 +30,16 @@ NEGATIVE = "'rowsum(dS) = 0 in the kernel's arithmetic'; 'bfloat16 is as accurat
 NAMES = ("O", "dQ", "dK", "dV")
 
 
+# --8<-- [start:proof]
+def unit_roundoff() -> dict:
+    """u = 2^-(significand bits) for round-to-nearest: half of torch.finfo(dtype).eps."""
+    import torch
+
+    return {str(t).removeprefix("torch."): torch.finfo(t).eps / 2 for t in (torch.float16, torch.bfloat16)}
+# --8<-- [end:proof]
+
+
+# --8<-- [start:numeric]
 # --8<-- [start:emulation]
 def inputs(dtype, n=256, m=256, d=64, seed=0):
     """q, k, v, dO drawn in float64 and rounded to `dtype`: every method below sees the same numbers."""
@@ -110,11 +120,15 @@ def measure():
         )
     return table
 # --8<-- [end:emulation]
+# --8<-- [end:numeric]
 
 
 def check() -> CheckResult:
     table = measure()
     ledger = Ledger()
+    u = unit_roundoff()
+    ledger.claim(f"unit roundoff: float16 2^{math.log2(u['float16']):.0f}, bfloat16 2^{math.log2(u['bfloat16']):.0f}, "
+                 f"ratio {u['bfloat16'] / u['float16']:.0f}", u["float16"] == 2.0 ** -11 and u["bfloat16"] == 2.0 ** -8)
     fp16, bf16 = table["float16"], table["bfloat16"]
     for dtype, row in table.items():
         ledger.claim(f"{dtype}, N = M = 256, d = 64, relative error vs float64 — kernel arithmetic: "

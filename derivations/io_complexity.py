@@ -119,8 +119,26 @@ def config_block_ms():
 # --8<-- [end:traffic]
 
 
+# --8<-- [start:proof]
+def theta_symbolic() -> bool:
+    """With block_m = κ·S_sram/d (a fixed fraction κ of on-chip memory per row of d), the forward's
+    closed form times S_sram/(N²d²) tends to 2/κ as N = M → ∞: Θ(N²d²/S_sram), and standard attention's
+    count over N² tends to 4: Θ(N²)."""
+    import sympy as sp
+
+    n, d, sram, kappa = sp.symbols("N d S_sram kappa", positive=True)
+    block_m = kappa * sram / d
+    forward = 2 * n * d + n + (n / block_m) * 2 * n * d        # ⌈N/block_m⌉ → N/block_m for large N
+    standard = 4 * n * n + 4 * n * d
+    return (sp.limit(sp.simplify(forward * sram / (n ** 2 * d ** 2)), n, sp.oo) == 2 / kappa
+            and sp.limit(standard / n ** 2, n, sp.oo) == 4)
+# --8<-- [end:proof]
+
+
 def check() -> CheckResult:
     ledger = Ledger()
+    ledger.claim("symbolic: block_m = κ·S_sram/d gives forward traffic·S_sram/(N²d²) → 2/κ; standard/N² → 4",
+                 theta_symbolic)
     # --8<-- [start:numeric]
     cases = [(n, m, d, bm, bn) for n, m in [(512, 512), (1000, 777), (64, 4096), (37, 5)] for d in (64, 72)
              for bm, bn in [(64, 64), (128, 64), (16, 32)]]
