@@ -251,7 +251,7 @@ def _md_inline(text) -> str:
     return str(text).replace("\n", " ")
 
 
-def _benchmarks(_arg: str, page) -> str:
+def _benchmarks(_arg: str, page=None) -> str:
     summary = RESULTS / "summary.md"
     pngs = sorted(RESULTS.glob("*.png")) if RESULTS.is_dir() else []
     jsons = sorted(RESULTS.glob("*.json")) if RESULTS.is_dir() else []
