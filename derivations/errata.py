@@ -38,12 +38,12 @@ ERRATA = [
         claim=r"The per-row statistics are loaded with `tl.load(..., mask=offs_m < SEQ)` and no `other=`, "
               r"and the text says rows past the sequence are therefore zero-padded.",
         correction=r"A Triton load leaves its masked-off lanes **undefined**; only `other=` gives them a value. "
-                   r"For a row past \(N\) the recomputed \(P = 2^{s - \mathrm{LSE}_2}\) then uses whatever the "
+                   r"For a row past \(N\) the recomputed \(P = 2^{S_2 - \mathrm{LSE}_2}\) then uses whatever the "
                    r"lane held: a garbage \(\mathrm{LSE}_2 = -200\) against a zero row of \(Q\) gives "
                    r"\(P = 2^{200} = \infty\) and \(\infty \cdot 0 = \text{NaN}\) in every \(dK\), \(dV\) of "
                    r"the block. Pass `other=0.0` (this package does, on every masked load; the check reads "
                    r"`flashattn/backward.py` for it). An explicit row mask on \(P\) is not a substitute: a NaN "
-                   r"in a \(\Delta\) lane still gives \(dS = 0\cdot(0 - \text{NaN}) = \text{NaN}\). "
+                   r"in a \(\delta\) lane (the seed's \(\Delta\)) still gives \(dS = 0\cdot(0 - \text{NaN}) = \text{NaN}\). "
                    r"The seed's other argument, that padding rows *inside* the sequence need no mask "
                    r"because their \(dO = 0\), is right: they have a real LSE, so \(P \le 1\).",
         check="derivations.masking_hazards:check",
