@@ -1,13 +1,13 @@
 # --8<-- [start:statement]
-"""Base 2 and the log-sum-exp. GPUs have a fast 2^x (exp2), so the kernels work in base 2:
+"""Base 2 and the log-sum-exp. The hardware exponential is exp2 (`exp` costs one more multiply), so
+the kernels work in base 2. With raw dot products X = QKᵀ, scores S = τX and c = τ · log2 e:
 
-    e^x = 2^(x · log2 e),      LSE₂ = log2 Σ_j 2^(τ s_j · log2 e) = LSE · log2 e,
+    e^x = 2^(x · log2 e),    S₂ = c X = S · log2 e,    LSE₂ = log2 Σ_j 2^(S₂_ij) = LSE · log2 e,
 
-where s = q·k is a raw dot product, τ the softmax scale and LSE = ln Σ_j e^(τ s_j). The forward pass
-stores one number per row, and the backward pass recomputes P_ij = 2^(s_ij · c − LSE₂) with
-c = τ · log2 e, which equals softmax(τ S)_ij exactly. Pre-scaling K once by c (K' = c K) makes QK'ᵀ
-the base-2 exponent directly. The backward pass is unchanged up to two corrections: with
-dS = P ∘ (dP − D) the gradient with respect to the natural-log logits τ QKᵀ,
+with LSE = ln Σ_j e^(S_ij). The forward pass stores one number per row, and the backward pass
+recomputes P_ij = 2^(S₂_ij − LSE₂_i), which equals softmax(S)_ij exactly. Pre-scaling K once by c
+(K' = c K) makes QK'ᵀ = S₂ directly. The backward pass is unchanged up to two corrections: with
+dS = P ∘ (dP − δ) the gradient with respect to S,
 
     dQ = τ dS K = ln 2 · dS K'    (because τ K = ln 2 · K'),      dK = τ dSᵀ Q,
 
@@ -73,8 +73,8 @@ def kernel_gradients(Q, K, V, dO, scale, ops, *, lse=lse_base2, recompute=recomp
     P = recompute(S2, lse2, ops)
     O = P * V
     dP = dO * V.T
-    D = rowsum(hadamard(dO, O))
-    dS = hadamard(P, dP - broadcast_rows(D, P.cols))
+    delta = rowsum(hadamard(dO, O))
+    dS = hadamard(P, dP - broadcast_rows(delta, P.cols))
     return dict(P=P, lse2=lse2, O=O, dQ=dq(dS, K2, scale, ops), dK=dk(dS, Q, scale, ops), dV=P.T * dO)
 # --8<-- [end:formula]
 

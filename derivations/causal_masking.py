@@ -9,6 +9,11 @@ i.e. N·M − N(N − 1)/2 when N ≤ M, and M(M + 1)/2 when N > M. For N = M th
 (N + 1) / (2N), a little more than half. When N > M the first N − M query rows see no key at all:
 their output is 0 and their LSE −∞.
 
+Top-left alignment (query i sees keys j ≤ i, the first i + 1 keys, whatever M is) is the other
+convention in use: it is what PyTorch's `scaled_dot_product_attention(is_causal=True)` does for
+N ≠ M. The two agree when N = M. This module checks SDPA's behaviour and that the two differ
+otherwise.
+
 Tiled into block_m × block_n tiles, the schedule of `flashattn.schedule` marks each tile full (no pair
 masked: runs without a mask), masked (straddles the diagonal or the ragged key edge) or skipped (no
 visible pair: never loaded). This module checks, pair by pair, that the schedule the kernels use
@@ -164,6 +169,23 @@ TILE_CASES = ([(n, m, bm, bn) for n in range(1, 34) for m in range(1, 34) for bm
                  for bm, bn in [(16, 16), (32, 16), (16, 32), (64, 32)]])
 
 
+def sdpa_alignment(top_left, bottom_right) -> bool:
+    """PyTorch SDPA with is_causal=True against explicit masks, in float64 on the CPU."""
+    import torch
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    for n, m in itertools.product((3, 5, 8), repeat=2):
+        q, k, v = (torch.randn(1, 1, rows, 4, generator=gen, dtype=torch.float64) for rows in (n, m, m))
+        got = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        for rule, expect_match in ((top_left, True), (bottom_right, n == m)):
+            mask = torch.tensor([[rule(i, j, n, m) for j in range(m)] for i in range(n)])
+            want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            if bool(torch.allclose(got, want, atol=1e-12)) != expect_match:
+                return False
+    return True
+
+
 def check() -> CheckResult:
     from flashattn import schedule
 
@@ -192,15 +214,18 @@ def check() -> CheckResult:
     ledger.claim("N = 7, M = 3: rows 0–3 see no key; the reference gives them o = 0, lse = −∞, no NaN",
                  lambda: empty_rows(7, 3) == [0, 1, 2, 3] and empty_rows_in_reference(7, 3)
                  and all(empty_rows(n, m) == list(range(max(n - m, 0))) for n, m in COUNT_SIZES))
-    # --8<-- [start:negative]
     top_left = lambda i, j, n, m: 0 <= i < n and 0 <= j < m and j <= i
+    ledger.claim("SDPA is_causal=True is top-left for N ≠ M (query i sees keys 0..i) and equals "
+                 "bottom-right for N = M (float64, N, M ∈ {3, 5, 8})",
+                 lambda: sdpa_alignment(top_left, bottom_right))
+    # --8<-- [start:negative]
 
     def top_left_tiles(start_m, start_n, block_m, block_n, n, m, causal):
         if start_n > start_m + block_m - 1:
             return "skipped"
         return "full" if start_n + block_n - 1 <= start_m and start_n + block_n <= m else "masked"
 
-    ledger.control("top-left alignment: last query does not see every key when N < M",
+    ledger.control("top-left alignment (SDPA's is_causal, N ≠ M): last query does not see every key when N < M",
                    lambda: not alignment_facts(top_left, COUNT_SIZES))
     ledger.control("top-left alignment: pair counts differ from the closed form when N ≠ M",
                    lambda: not counts_match(top_left, COUNT_SIZES))

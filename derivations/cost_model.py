@@ -1,51 +1,51 @@
 # --8<-- [start:statement]
-"""Cost model: FLOPs of the forward and the two backward designs, counted from their loops, and
-the HBM traffic of standard versus tiled attention.
+"""Cost model: FLOPs of the forward and the two backward designs, counted from the kernels' source.
 
 A matmul of an (r × k) tile by a (k × c) tile costs 2·r·k·c FLOPs. Every product inside the loops of
 attention is a (block_m, block_n, d) product in some order, so each costs 2·block_m·block_n·d per
 visited tile pair, and over all (N/block_m)·(M/block_n) pairs 2·N·M·d. Hence FLOPs = 2·N·M·d per
-matmul in the loop bodies:
+product in a loop body. The products per visited tile are counted from the `tl.dot` calls in the
+loop bodies of `_fwd_inner`, `_bwd_dkdv_inner` and `_bwd_dq_inner` (the kernels call each inner
+function on disjoint tile ranges, so every visited tile runs one loop body), and a dataflow model of
+each loop, which must agree with that count, says which products they are:
 
-* forward: S = QKᵀ, O += PV → 2 matmuls, 4·N·M·d;
+* forward: S = QKᵀ, O += PV → 2 products, 4·N·M·d;
 * backward in one kernel with atomic dQ: S, dP = dO Vᵀ, dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K →
-  5 matmuls, 10·N·M·d;
+  5 products, 10·N·M·d;
 * backward in two kernels (dK/dV, then dQ), deterministic: the dK/dV kernel does S, dP, dV, dK and
-  the dQ kernel must recompute both S (for P) *and* dP (for dS = P ∘ (dP − D)) before dQ += dS K →
-  7 matmuls, 14·N·M·d. Counting 12·N·M·d forgets that the dQ kernel needs dP.
+  the dQ kernel must recompute both S (for P) *and* dP (for dS = P ∘ (dP − δ)) before dQ += dS K →
+  7 products, 14·N·M·d. Counting 12·N·M·d forgets that the dQ kernel needs dP.
 
 Benchmarks report backward FLOPs as 2.5 × forward by convention (10/4, the single-kernel count),
-whatever the kernel really does; `attention_flops` below is that convention, and causal attention
-counts only the visible pairs (bottom-right alignment).
-
-HBM traffic (elements, forward, N = M): standard attention writes and re-reads S and P,
-4·N·d + 4·N²; the tiled kernel reads Q once, K and V once per query block and writes O and the LSE,
-2·N·d + 2·N²·d/block_m + N: never O(N²) memory, and for large N fewer accesses whenever
-d < 2·block_m.
+whatever the kernel really does; `flashattn.cost.attention_flops` is that convention, and causal
+attention counts only the visible pairs (bottom-right alignment). Memory traffic is the subject of
+`derivations.io_complexity`.
 """
 # --8<-- [end:statement]
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
+from pathlib import Path
 
 from ._result import CheckResult, Ledger
 
-IDENTITY = "cost model: forward 4N²d; backward 10N²d (atomic dQ) and 14N²d (two kernels); HBM traffic"
-METHOD = ("matmuls counted from loop descriptions with shape and dataflow checks; SymPy totals; "
-          "traffic by loop simulation")
-NEGATIVE = "12N²d two-kernel backward (dQ kernel without dP); 'K and V are read once' traffic"
+IDENTITY = "cost model: forward 4N²d; backward 10N²d (atomic dQ) and 14N²d (two kernels), counted from the kernels"
+METHOD = ("tl.dot calls counted in the kernels' loop bodies (ast); loop dataflow models with shape checks "
+          "that must agree; SymPy totals")
+NEGATIVE = "12N²d two-kernel backward (dQ kernel without dP), in the model and in a mutated kernel source"
 
 
 # --8<-- [start:loops]
 # Tile shapes inside one (query block, key block) iteration. Query-side tiles have block_m rows,
-# key-side tiles block_n rows; score-like tiles are block_m × block_n; LSE and D one number per row.
+# key-side tiles block_n rows; score-like tiles are block_m × block_n; LSE and δ one number per row.
 TILE_SHAPES = {
     "Q": ("block_m", "d"), "O": ("block_m", "d"), "dO": ("block_m", "d"), "dQ": ("block_m", "d"),
     "K": ("block_n", "d"), "V": ("block_n", "d"), "dK": ("block_n", "d"), "dV": ("block_n", "d"),
     "S": ("block_m", "block_n"), "P": ("block_m", "block_n"),
     "dP": ("block_m", "block_n"), "dS": ("block_m", "block_n"),
-    "LSE": ("block_m", "1"), "D": ("block_m", "1"), "m_l": ("block_m", "1"),
+    "LSE": ("block_m", "1"), "δ": ("block_m", "1"), "m_l": ("block_m", "1"),
 }
 
 
@@ -84,31 +84,31 @@ FORWARD = (Kernel("forward", loads=("Q", "K", "V"), outputs=("O", "LSE"), state=
     MatMul("O", "P", "V", accumulate=True),  # acc += P V (rescaled by α first)
 ), epilogue=(Elementwise("LSE", ("m_l",)),)),)  # O = acc / l, LSE₂ = m + log2 l
 
-BACKWARD_ATOMIC_DQ = (Kernel("dK, dV and atomic dQ", loads=("Q", "K", "V", "dO", "LSE", "D"),
+BACKWARD_ATOMIC_DQ = (Kernel("dK, dV and atomic dQ", loads=("Q", "K", "V", "dO", "LSE", "δ"),
                              outputs=("dQ", "dK", "dV"), body=(
     MatMul("S", "Q", "K^T"),
     Elementwise("P", ("S", "LSE")),          # P = 2^(S·c − LSE₂), recomputed
     MatMul("dV", "P^T", "dO", accumulate=True),
     MatMul("dP", "dO", "V^T"),
-    Elementwise("dS", ("P", "dP", "D")),     # dS = P ∘ (dP − D)
+    Elementwise("dS", ("P", "dP", "δ")),     # dS = P ∘ (dP − δ)
     MatMul("dK", "dS^T", "Q", accumulate=True),
     MatMul("dQ", "dS", "K", accumulate=True),  # atomic add: many key blocks write one dQ tile
 )),)
 
 BACKWARD_TWO_KERNELS = (
-    Kernel("dK, dV", loads=("Q", "K", "V", "dO", "LSE", "D"), outputs=("dK", "dV"), body=(
+    Kernel("dK, dV", loads=("Q", "K", "V", "dO", "LSE", "δ"), outputs=("dK", "dV"), body=(
         MatMul("S", "Q", "K^T"),
         Elementwise("P", ("S", "LSE")),
         MatMul("dV", "P^T", "dO", accumulate=True),
         MatMul("dP", "dO", "V^T"),
-        Elementwise("dS", ("P", "dP", "D")),
+        Elementwise("dS", ("P", "dP", "δ")),
         MatMul("dK", "dS^T", "Q", accumulate=True),
     )),
-    Kernel("dQ", loads=("Q", "K", "V", "dO", "LSE", "D"), outputs=("dQ",), body=(
+    Kernel("dQ", loads=("Q", "K", "V", "dO", "LSE", "δ"), outputs=("dQ",), body=(
         MatMul("S", "Q", "K^T"),
         Elementwise("P", ("S", "LSE")),
         MatMul("dP", "dO", "V^T"),           # dS needs dP, so the dQ kernel recomputes it too
-        Elementwise("dS", ("P", "dP", "D")),
+        Elementwise("dS", ("P", "dP", "δ")),
         MatMul("dQ", "dS", "K", accumulate=True),
     )),
 )
@@ -173,35 +173,55 @@ def total_flops_symbolic(kernels):
 from flashattn.cost import FORWARD_FLOPS_PER_PAIR_AND_DIM, FORWARD_MATMULS, MODES, attention_flops  # noqa: E402
 
 
-# --8<-- [start:traffic]
-def standard_traffic(n: int, m: int, d: int) -> int:
-    """Elements moved by unfused attention: each pass reads its inputs from HBM and writes its output."""
-    passes = [
-        ((n * d, m * d), n * m),      # S = Q Kᵀ
-        ((n * m,), n * m),            # P = softmax(S)
-        ((n * m, m * d), n * d),      # O = P V
-    ]
-    return sum(sum(reads) + write for reads, write in passes)
+# --8<-- [start:source-count]
+SOURCES = {name: Path(__file__).resolve().parents[1] / "flashattn" / f"{name}.py" for name in ("forward", "backward")}
+# The inner function whose loop body runs once per visited tile, for each kernel.
+INNER = {"forward": ("forward", "_fwd_inner"), "dK, dV": ("backward", "_bwd_dkdv_inner"),
+         "dQ": ("backward", "_bwd_dq_inner")}
+OUTER = {"forward": ("forward", "_attn_fwd_kernel"), "dK, dV": ("backward", "_bwd_dkdv_kernel"),
+         "dQ": ("backward", "_bwd_dq_kernel")}
 
 
-def tiled_traffic_simulated(n: int, m: int, d: int, block_m: int, block_n: int) -> int:
-    """Walk the forward kernel's loops and add up every tile it loads or stores (ragged edges exact)."""
-    moved = 0
-    for start_m in range(0, n, block_m):
-        rows = min(block_m, n - start_m)
-        moved += rows * d                       # load Q_i
-        for start_n in range(0, m, block_n):
-            cols = min(block_n, m - start_n)
-            moved += 2 * cols * d               # load K_j, V_j
-        moved += rows * d + rows                # store O_i and LSE_i
-    return moved
+def _function(source: str, name: str) -> ast.FunctionDef:
+    (fn,) = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == name]
+    return fn
 
 
-def tiled_traffic(n: int, m: int, d: int, block_m: int) -> int:
-    """Closed form: Q and O once, the LSE once, K and V once per query block."""
-    query_blocks = -(-n // block_m)
-    return 2 * n * d + n + query_blocks * 2 * m * d
-# --8<-- [end:traffic]
+def _is_dot(node) -> bool:
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "dot"
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "tl")
+
+
+def dots_in_loop(source: str, name: str) -> list[str]:
+    """The tile each `tl.dot` in the `for` loop of function `name` feeds (its assignment target)."""
+    (loop,) = [n for n in ast.walk(_function(source, name)) if isinstance(n, ast.For)]
+    found = []
+    for stmt in ast.walk(loop):
+        if isinstance(stmt, (ast.Assign, ast.AugAssign)):
+            target = stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target
+            found += [ast.unparse(target)] * sum(_is_dot(n) for n in ast.walk(stmt.value))
+    return found
+
+
+def dots_outside_inner(source: str, name: str) -> int:
+    """`tl.dot` calls in a kernel's own body (they would run per program, or per tile uncounted)."""
+    return sum(_is_dot(n) for n in ast.walk(_function(source, name)))
+
+
+def without_dot(source: str, name: str, index: int) -> str:
+    """`source` with the statement of the `index`-th `tl.dot` in `name`'s loop deleted (a mutation)."""
+    tree = ast.parse(source)
+    fn = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name][0]
+    (loop,) = [n for n in ast.walk(fn) if isinstance(n, ast.For)]
+    with_dot = [st for st in loop.body if any(_is_dot(n) for n in ast.walk(st))]
+    loop.body.remove(with_dot[index])
+    return ast.unparse(tree)
+
+
+def kernel_products(sources=None) -> dict[str, list[str]]:
+    sources = sources or {k: v.read_text(encoding="utf-8") for k, v in SOURCES.items()}
+    return {kernel: dots_in_loop(sources[file], fn) for kernel, (file, fn) in INNER.items()}
+# --8<-- [end:source-count]
 
 
 def _coefficient(kernels) -> object:
@@ -233,35 +253,40 @@ def check() -> CheckResult:
                  == 2.5 * attention_flops(2, 2, 48, 16, 8, causal=True, mode="fwd")
                  and attention_flops(1, 2, 5, 7, 16, causal=False, mode="fwd_bwd")
                  == 3.5 * attention_flops(1, 2, 5, 7, 16, causal=False, mode="fwd"))
-    cases = [(n, m, d, bm, bn) for n, m in [(512, 512), (1000, 777), (64, 4096)] for d in (64, 128)
-             for bm, bn in [(64, 64), (128, 64), (128, 32)]]
-    ledger.claim("tiled traffic: loop simulation = closed form (18 cases, ragged included)",
-                 all(tiled_traffic_simulated(n, m, d, bm, bn) == tiled_traffic(n, m, d, bm) for n, m, d, bm, bn in cases))
-    n, d, bm = 4096, 128, 128
-    std, tiled = standard_traffic(n, n, d), tiled_traffic(n, n, d, bm)
-    ledger.claim(f"N = M = {n}, d = {d}, block_m = {bm}: standard {std:,} vs tiled {tiled:,} elements "
-                 f"({std / tiled:.2f}x); standard = 4Nd + 4N²",
-                 std == 4 * n * d + 4 * n * n and tiled < std)
+    products = kernel_products()
+    ledger.claim("tl.dot per visited tile, from the source: " + "; ".join(
+        f"{k} {len(v)} ({', '.join(v)})" for k, v in products.items()),
+        [len(v) for v in products.values()] == [2, 4, 3])
+    ledger.claim("the dataflow models agree with the source: forward 2, dK/dV 4, dQ 3",
+                 lambda: [matmul_count(FORWARD), matmul_count(BACKWARD_TWO_KERNELS[:1]),
+                          matmul_count(BACKWARD_TWO_KERNELS[1:])] == [len(v) for v in products.values()])
+    ledger.claim("no tl.dot in the kernels outside their inner loops (" + ", ".join(fn for _, fn in OUTER.values()) + ")",
+                 lambda: all(dots_outside_inner(SOURCES[f].read_text(encoding="utf-8"), fn) == 0
+                             for f, fn in OUTER.values()))
+    ledger.claim("2·(forward) = 4 and 2·(dK/dV + dQ) = 14 FLOPs per visited (query, key, feature) triple",
+                 lambda: 2 * len(products["forward"]) == FORWARD_FLOPS_PER_PAIR_AND_DIM
+                 and 2 * (len(products["dK, dV"]) + len(products["dQ"])) == _coefficient(BACKWARD_TWO_KERNELS))
     # --8<-- [end:numeric]
     # --8<-- [start:negative]
-    dq_kernel_without_dp = Kernel("dQ (no dP)", loads=("Q", "K", "V", "dO", "LSE", "D"), outputs=("dQ",), body=(
+    dq_kernel_without_dp = Kernel("dQ (no dP)", loads=("Q", "K", "V", "dO", "LSE", "δ"), outputs=("dQ",), body=(
         MatMul("S", "Q", "K^T"),
         Elementwise("P", ("S", "LSE")),
-        Elementwise("dS", ("P", "dP", "D")),
+        Elementwise("dS", ("P", "dP", "δ")),
         MatMul("dQ", "dS", "K", accumulate=True),
     ))
     twelve = (BACKWARD_TWO_KERNELS[0], dq_kernel_without_dp)
     ledger.control("12·N·M·d: its dQ kernel reads dP that it never computes",
                    lambda: _raises(LoopError, lambda: matmul_count(twelve)))
     ledger.control("12·N·M·d ≠ the derived two-kernel count", lambda: _coefficient(BACKWARD_TWO_KERNELS) != 12)
-    ledger.control("'K and V are read once': 2Nd + N + 2Md ≠ the simulated traffic",
-                   lambda: all(tiled_traffic_simulated(n_, m_, d_, bm_, bn_) != 2 * n_ * d_ + n_ + 2 * m_ * d_
-                               for n_, m_, d_, bm_, bn_ in cases if n_ > bm_))
+    mutated = without_dot(SOURCES["backward"].read_text(encoding="utf-8"), "_bwd_dq_inner", 1)
+    ledger.control("a dQ loop without its dP product (mutated source) counts 12·N·M·d, not the models' 14",
+                   lambda: 2 * (len(dots_in_loop(mutated, "_bwd_dkdv_inner")) + len(dots_in_loop(mutated, "_bwd_dq_inner")))
+                   == 12 != _coefficient(BACKWARD_TWO_KERNELS))
     ledger.control("dQ += dSᵀ K (wrong operand) fails the shape check",
                    lambda: _raises(LoopError, lambda: matmul_count((Kernel("bad", ("Q", "K", "dS"), (
                        MatMul("dQ", "dS^T", "K"),), ("dQ",)),))))
     # --8<-- [end:negative]
-    sizes = "symbolic N, M, d, block_m, block_n; traffic 18 cases up to 4096 keys"
+    sizes = "symbolic N, M, d, block_m, block_n; the three inner loops of flashattn/forward.py and backward.py"
     return ledger.result(identity=IDENTITY, method=METHOD, sizes=sizes,
                          negative_control=NEGATIVE, module=__name__)
 

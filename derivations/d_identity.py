@@ -1,12 +1,12 @@
 # --8<-- [start:statement]
-"""The D identity: with O = P V and dP = dO Vᵀ,
+"""The δ identity (D in the FlashAttention papers, `delta` in the code): with O = P V and dP = dO Vᵀ,
 
-    D_i = Σ_j P_ij dP_ij = Σ_k dO_ik O_ik,   i.e.  rowsum(P ∘ dP) = rowsum(dO ∘ O).
+    δ_i = Σ_j P_ij dP_ij = Σ_k dO_ik O_ik,   i.e.  rowsum(P ∘ dP) = rowsum(dO ∘ O).
 
 Proof: Σ_j P_ij Σ_k dO_ik V_jk = Σ_k dO_ik Σ_j P_ij V_jk = Σ_k dO_ik O_ik (swap the two finite sums).
 It holds for any P, not only a softmax. Why it matters: the left side needs the full N × M matrix
 dP (N·M·d multiply-adds to form it, then N·M more); the right side needs only the N × d outputs the
-forward pass already wrote (N·d multiply-adds). The backward kernel computes D once per row before
+forward pass already wrote (N·d multiply-adds). The backward kernel computes δ once per row before
 its main loop and never holds a full row of dP.
 """
 # --8<-- [end:statement]
@@ -20,14 +20,14 @@ import sympy as sp
 from ._common import flatten_sum, hadamard, holds, rational_matrix, rowsum, symbol_matrix
 from ._result import CheckResult, Ledger
 
-IDENTITY = "D identity: rowsum(P∘dP) = rowsum(dO∘O) for O = PV, dP = dO Vᵀ"
+IDENTITY = "δ identity: rowsum(P∘dP) = rowsum(dO∘O) for O = PV, dP = dO Vᵀ"
 METHOD = "sum exchange with symbolic sizes; explicit symbol matrices; exact rationals"
-NEGATIVE = "D = rowsum(O); D = rowsum(dP)"
+NEGATIVE = "δ = rowsum(O); δ = rowsum(dP)"
 
 
 # --8<-- [start:formula]
 def delta(dO, O):
-    """D from the N × d tensors only."""
+    """δ from the N × d tensors only."""
     return rowsum(hadamard(dO, O))
 # --8<-- [end:formula]
 
@@ -82,7 +82,7 @@ RATIONAL_SHAPES = [(16, 24, 8), (32, 16, 16)]
 
 
 def via_outputs(P, V, dO):
-    """The kernel's route: D from O = PV (already written by the forward pass) and dO."""
+    """The kernel's route: δ from O = PV (already written by the forward pass) and dO."""
     return delta(dO, P * V)
 
 
@@ -97,7 +97,7 @@ def check() -> CheckResult:
     # --8<-- [start:negative]
     rowsum_o = lambda P, V, dO: rowsum(P * V)
     rowsum_dp = lambda P, V, dO: rowsum(dO * V.T)
-    for name, wrong in [("D = rowsum(O)", rowsum_o), ("D = rowsum(dP)", rowsum_dp)]:
+    for name, wrong in [("δ = rowsum(O)", rowsum_o), ("δ = rowsum(dP)", rowsum_dp)]:
         ledger.control(f"{name} fails explicit symbols", lambda: not explicit_route(wrong, SYMBOLIC_SHAPES))
         ledger.control(f"{name} fails exact rationals", lambda: not rational_route(wrong, RATIONAL_SHAPES))
     # --8<-- [end:negative]

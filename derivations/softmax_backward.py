@@ -37,11 +37,11 @@ def softmax_grad(P, dP):
     """dS from P = row-softmax(S) and the upstream dP (SymPy or mpmath matrices)."""
     if isinstance(P, sp.MatrixBase):
         return hadamard(P, dP - broadcast_rows(rowsum(hadamard(P, dP)), P.cols))
-    D = mp_rowsum(mp_hadamard(P, dP))
+    delta = mp_rowsum(mp_hadamard(P, dP))
     dS = mpmath.matrix(P.rows, P.cols)
     for i in range(P.rows):
         for j in range(P.cols):
-            dS[i, j] = P[i, j] * (dP[i, j] - D[i])
+            dS[i, j] = P[i, j] * (dP[i, j] - delta[i])
     return dS
 # --8<-- [end:formula]
 

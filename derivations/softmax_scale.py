@@ -1,6 +1,6 @@
 # --8<-- [start:statement]
 """Where the softmax scale goes. With S = τ Q Kᵀ (τ = 1/√d by default), P = softmax(S), O = P V and
-dS = P ∘ (dP − D) the gradient with respect to S:
+dS = P ∘ (dP − δ) the gradient with respect to S:
 
     dQ = τ dS K,      dK = τ dSᵀ Q,      dV = Pᵀ dO.
 
@@ -80,9 +80,9 @@ def numeric_route(grads, shapes, seed: int = 17, dps: int = 40) -> bool:
             dP = dO * V.T
             dS = mpmath.matrix(N, M)
             for i in range(N):
-                D = mpmath.fsum(P[i, j] * dP[i, j] for j in range(M))
+                delta = mpmath.fsum(P[i, j] * dP[i, j] for j in range(M))
                 for j in range(M):
-                    dS[i, j] = P[i, j] * (dP[i, j] - D)
+                    dS[i, j] = P[i, j] * (dP[i, j] - delta)
             dQ, dK = grads(dS, Q, K, tau)
             tol = mpmath.mpf(10) ** (-(dps // 3))
             for got, ref in ((dQ, mp_numeric_gradient(lambda X: loss(Q_=X), Q)),

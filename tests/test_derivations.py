@@ -36,7 +36,8 @@ def test_runner_exit_status_and_table(runner):
     assert payload["all_passed"] is True
     for row in payload["rows"]:
         assert row["identity"] in proc.stdout
-    assert "10/10 identities pass, 10/10 negative controls rejected" in proc.stdout
+    n = len(MODULES)
+    assert f"{n}/{n} identities pass, {n}/{n} negative controls rejected" in proc.stdout
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -248,5 +249,45 @@ def test_erratum_points_at_a_check_that_shows_it(runner, erratum):
     assert erratum.claim and erratum.correction
 
 
-def test_package_lists_ten_identities():
-    assert len(derivations.MODULES) == 10
+def test_package_lists_every_identity_of_the_site():
+    """SPEC's ten identities plus the LSE gradient, the I/O count and the precision measurement."""
+    assert set(derivations.MODULES) >= {
+        "matmul_backward", "softmax_backward", "d_identity", "online_softmax", "base2_lse", "softmax_scale",
+        "masking_hazards", "causal_masking", "cost_model", "dropout",
+        "lse_gradient", "io_complexity", "backward_precision"}
+
+
+def test_cost_model_reads_the_kernel_source(monkeypatch):
+    """A kernel source with one tl.dot fewer in the dQ loop must fail the check (the count is not typed in)."""
+    from derivations import cost_model as mod
+
+    real = mod.kernel_products
+
+    def fewer(sources=None):
+        counts = real(sources)
+        return {**counts, "dQ": counts["dQ"][:-1]}
+
+    monkeypatch.setattr(mod, "kernel_products", fewer)
+    assert _fails("cost_model")
+
+
+def test_broken_lse_gradient_is_caught(monkeypatch):
+    from derivations import lse_gradient as mod
+    from derivations._common import broadcast_rows, hadamard
+
+    monkeypatch.setattr(mod, "ds_with_lse", lambda P, dP, delta, dlse: hadamard(P, dP - broadcast_rows(delta, P.cols)))
+    assert _fails("lse_gradient")
+
+
+def test_masked_load_checker_sees_a_missing_other():
+    from derivations.masking_hazards import masked_loads_without_other
+
+    assert masked_loads_without_other("x = tl.load(p, mask=m)\ny = tl.load(p, mask=m, other=0.0)\n") == [
+        "tl.load(p, mask=m)"]
+
+
+def test_broken_io_closed_form_is_caught(monkeypatch):
+    from derivations import io_complexity as mod
+
+    monkeypatch.setattr(mod, "forward_closed", lambda n, m, d, block_m: 2 * n * d + n + 2 * m * d)
+    assert _fails("io_complexity")

@@ -461,3 +461,33 @@ def test_browser_check_catches_broken_math(site, browser, tmp_path):
     assert "console" in text and "something broke" in text, text
     assert "1 display equations rendered, 2 expected" in text, text
     assert "TeX outside the typeset areas" in text and "Padding scored" in text, text
+
+
+def test_hook_fails_loudly_on_unknown_directives_and_unplaced_checks(tmp_path):
+    """An unknown directive, a module no page shows, or a module shown twice stops the build."""
+    from mkdocs.exceptions import PluginError
+
+    hooks = _site_hooks()
+    page = SimpleNamespace(file=SimpleNamespace(src_uri="x.md"))
+    with pytest.raises(PluginError, match="unknown directive flashattn:nonsense"):
+        hooks.on_page_markdown("text <!-- flashattn:nonsense arg --> more", page, None, None)
+
+    import derivations
+
+    def pages(mapping):
+        out = []
+        for uri, text in mapping.items():
+            path = tmp_path / uri.replace("/", "_")
+            path.write_text(text, encoding="utf-8")
+            out.append(SimpleNamespace(src_uri=uri, abs_src_path=str(path)))
+        return out
+
+    every = {f"math/{name}.md": f"<!-- flashattn:derivation {name} -->" for name in derivations.MODULES}
+    assert hooks.module_pages(pages(every)) == {name: f"math/{name}.md" for name in derivations.MODULES}
+    missing = dict(list(every.items())[1:])
+    with pytest.raises(PluginError, match="no page shows"):
+        hooks.module_pages(pages(missing))
+    with pytest.raises(PluginError, match="shown twice"):
+        hooks.module_pages(pages({**every, "math/again.md": f"<!-- flashattn:derivation {derivations.MODULES[0]} -->"}))
+    with pytest.raises(PluginError, match="not in derivations.MODULES"):
+        hooks.module_pages(pages({**every, "math/new.md": "<!-- flashattn:derivation no_such_module -->"}))

@@ -264,7 +264,102 @@ def masking() -> str:
     return _svg(fig)
 
 
+def dataflow() -> str:
+    """The loop bodies of the forward and the two backward kernels, drawn from the dataflow models of
+    :mod:`derivations.cost_model`, whose product counts that module checks against the ``tl.dot`` calls
+    of the kernels' source. Left: what is read from HBM; middle: the per-tile steps (products numbered
+    in kernel order); right: what is written back."""
+    from derivations import cost_model as cm
+
+    kernels = [*cm.FORWARD, *cm.BACKWARD_TWO_KERNELS]
+    products = cm.kernel_products()
+    names = ["forward", "dK, dV", "dQ"]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4.6))
+    number = 0
+    for ax, kernel, name in zip(axes, kernels, names):
+        if name == "dK, dV":
+            number = 0  # the backward's seven products are numbered 1–7 across its two kernels
+        ax.set_xlim(0, 10)
+        steps = list(kernel.body)
+        ax.set_ylim(-len(steps) - 1.5, 1.2)
+        ax.axis("off")
+        ax.set_title(f"{name} kernel: {len(products[name])} tl.dot per tile in the source", fontsize=10)
+        ax.add_patch(Rectangle((0.1, -len(steps) - 0.5), 2.2, len(steps) + 1.2, color="#dde6f5"))
+        ax.text(1.2, 0.45, "HBM reads", ha="center", fontsize=8, weight="bold")
+        for r, t in enumerate(kernel.loads):
+            ax.text(1.2, -0.3 - r * 0.75, t, ha="center", va="center", fontsize=9)
+        ax.add_patch(Rectangle((2.8, -len(steps) - 0.5), 4.4, len(steps) + 1.2, color="#f3efe0"))
+        ax.text(5.0, 0.45, "on chip, per tile (fp32)", ha="center", fontsize=8, weight="bold")
+        for r, step in enumerate(steps):
+            y = -0.3 - r
+            if isinstance(step, cm.MatMul):
+                number += 1
+                op = "+=" if step.accumulate else "="
+                label = f"({number}) {step.out} {op} {step.a}·{step.b}"
+                color = "#4c9f70"
+            else:
+                label = f"{step.out} ← f({', '.join(step.inputs)})"
+                color = "#888888"
+            ax.text(3.0, y, label, va="center", fontsize=9, color=color,
+                    weight="bold" if isinstance(step, cm.MatMul) else "normal")
+        ax.add_patch(Rectangle((7.7, -len(steps) - 0.5), 2.2, len(steps) + 1.2, color="#dde6f5"))
+        ax.text(8.8, 0.45, "HBM writes", ha="center", fontsize=8, weight="bold")
+        for r, t in enumerate(kernel.outputs):
+            ax.text(8.8, -0.3 - r * 0.75, t, ha="center", va="center", fontsize=9)
+        for x0, x1 in ((2.3, 2.8), (7.2, 7.7)):
+            ax.add_patch(FancyArrowPatch((x0, -len(steps) / 2), (x1, -len(steps) / 2), arrowstyle="->",
+                                         mutation_scale=12))
+    fig.tight_layout()
+    return _svg(fig)
+
+
+def online_rescaling() -> str:
+    """One row of scores folded in four key blocks by the base-2 online softmax of
+    :mod:`derivations.online_softmax`: the running max m, the rescale factor α = 2^(m_old − m_new) and
+    the pivot-free sum l·2^m after each block, against the full row's Σ 2^s."""
+    from derivations.online_softmax import online_step
+
+    rng = np.random.default_rng(3)
+    scores = np.round(rng.normal(0, 2.5, 32) + np.linspace(-3, 4, 32), 2)
+    block = 8
+    state = (-np.inf, 0.0, [0.0])
+    ms, alphas, pivot_free = [], [], []
+    for start in range(0, len(scores), block):
+        sc = list(scores[start:start + block])
+        m_old = state[0]
+        m_new = max([m_old, *sc])
+        state = online_step(state, sc, [[0.0]] * len(sc), m_new, lambda x: 2.0 ** x)
+        ms.append(m_new)
+        alphas.append(2.0 ** (m_old - m_new))
+        pivot_free.append(state[1] * 2.0 ** state[0])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))
+    ax1.bar(range(len(scores)), scores, color=["#9db4d9" if (k // block) % 2 else "#4c72b0" for k in range(len(scores))])
+    low = float(scores.min()) - 1.0
+    for b, m in enumerate(ms):
+        ax1.hlines(m, b * block - 0.5, b * block + block - 0.5, colors="#c44e52", linewidth=2,
+                   label="running max m" if b == 0 else None)
+        ax1.text(b * block + block / 2 - 0.5, low, f"α = {alphas[b]:.2g}", fontsize=8, ha="center",
+                 color="#c44e52")
+    ax1.set_ylim(low - 1.0, float(scores.max()) + 1.0)
+    ax1.legend(fontsize=8, frameon=False, loc="upper left")
+    ax1.set_xlabel("key j (blocks of 8)")
+    ax1.set_ylabel("base-2 score s_j")
+    ax1.set_title("Running max: α rescales the old state when m grows", fontsize=10)
+    total = float(np.sum(2.0 ** scores))
+    ax2.plot(range(len(ms)), pivot_free, "o-", color="#4c72b0", label="ℓ · 2^m after each block")
+    ax2.axhline(total, color="#c44e52", linestyle="--", label="Σ_j 2^(s_j), whole row")
+    ax2.set_xticks(range(len(ms)))
+    ax2.set_xlabel("blocks folded in")
+    ax2.set_yscale("log")
+    ax2.set_title("The pivot-free sum only grows, and ends exact", fontsize=10)
+    ax2.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return _svg(fig)
+
+
 FIGURES = {
+    "dataflow": dataflow,
+    "online-rescaling": online_rescaling,
     "causal-schedule": causal_schedule,
     "tiling": tiling,
     "pointer-offsets": pointer_offsets,

@@ -4,30 +4,33 @@
 * draws the figures under ``figures/`` from :mod:`flashattn.schedule` and friends (see ``figures.py``);
 * expands a few directives written as HTML comments in the pages:
 
-  ``<!-- flashattn:derivation NAME -->``  the rows of ``python -m derivations --json`` for module NAME
-  ``<!-- flashattn:derivations-table -->`` every row of that output
+  ``<!-- flashattn:derivation NAME -->``  the result of ``derivations.NAME.check()``; the page holding
+                                         this directive *is* module NAME's page (links elsewhere
+                                         are derived from it, so no list of Math pages is kept here)
+  ``<!-- flashattn:derivations-table -->`` every check, in the order of ``derivations.MODULES``
   ``<!-- flashattn:errata -->``          the entries of ``derivations/errata.py``
   ``<!-- flashattn:benchmarks -->``      results from ``benchmarks/results/`` or a placeholder
 
 * drops the dead MathJax 2 loader that nbconvert writes into notebook pages.
 
-A directive whose data is missing renders a visible warning box and logs a warning, which fails
-``mkdocs build --strict``; so does a derivation check that fails.
+The checks run in this process, once per build, through ``derivations.run_all``. An unknown
+directive, a derivation module no page shows or two pages show, and a directive naming a module
+that ``derivations.MODULES`` does not list stop the build with an error. A failing check or an
+unconfirmed erratum logs a warning, which fails ``mkdocs build --strict``.
 """
 
 from __future__ import annotations
 
 import html
 import importlib
-import json
 import logging
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
 
 log = logging.getLogger("mkdocs.hooks.flashattn")
@@ -48,7 +51,7 @@ def _ensure_paths() -> None:
 
 _ensure_paths()
 
-_DIRECTIVE = re.compile(r"<!--\s*flashattn:([a-z-]+)\s*([^>]*?)\s*-->")
+_DIRECTIVE = re.compile(r"<!--\s*flashattn:([a-z_-]+)\s*([^>]*?)\s*-->")
 
 _state: dict = {}
 
@@ -68,8 +71,11 @@ def on_config(config):
 
 
 def on_pre_build(config):
-    # Every build (including each rebuild of `mkdocs serve`) runs the checks afresh.
+    # Every build (including each rebuild of `mkdocs serve`) runs the checks afresh, on the code as
+    # it is now: drop the imported derivation modules so they are read again.
     _state.clear()
+    for name in [n for n in sys.modules if n == "derivations" or n.startswith("derivations.")]:
+        del sys.modules[name]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -118,62 +124,57 @@ def on_files(files: Files, config):
 
     for png in sorted(RESULTS.glob("*.png")) if RESULTS.is_dir() else []:
         files.append(File.generated(config, f"benchmarks/{png.name}", abs_src_path=str(png)))
+    _state["pages"] = module_pages(files.documentation_pages())
     return files
+
+
+def module_pages(pages) -> dict[str, str]:
+    """{derivation module: the page (src_uri) whose ``flashattn:derivation`` directive shows it}.
+
+    The directives are the one place that says which page explains which check; every module of
+    ``derivations.MODULES`` must be shown by exactly one page, and no page may name another module.
+    """
+    import derivations
+
+    found: dict[str, list[str]] = {}
+    for page in pages:
+        if not page.src_uri.endswith(".md"):
+            continue
+        text = Path(page.abs_src_path).read_text(encoding="utf-8")
+        for m in _DIRECTIVE.finditer(text):
+            if m.group(1) == "derivation":
+                found.setdefault(m.group(2).strip(), []).append(page.src_uri)
+    unknown = sorted(set(found) - set(derivations.MODULES))
+    missing = [name for name in derivations.MODULES if name not in found]
+    twice = {name: where for name, where in found.items() if len(where) > 1}
+    if unknown or missing or twice:
+        raise PluginError(f"derivation pages: modules not in derivations.MODULES {unknown}, "
+                          f"modules no page shows {missing}, modules shown twice {twice}")
+    return {name: where[0] for name, where in found.items()}
 
 
 # --------------------------------------------------------------------------------------------------
 # directives
 # --------------------------------------------------------------------------------------------------
-def _problem(message: str) -> str:
-    log.warning(message)
-    return f'!!! failure "Build problem"\n\n    {message}\n'
+def _results() -> dict:
+    """{module name: its row (``derivations.as_rows``)}, every check run once per build, in this process."""
+    if "results" not in _state:
+        import derivations
+
+        t0 = time.perf_counter()
+        results = derivations.run_all()
+        log.info("derivations: %d checks in %.1f s", len(results), time.perf_counter() - t0)
+        if not derivations.all_good(results):
+            log.warning("derivations: a check failed or a negative control was accepted")
+        _state["rows"] = derivations.as_rows(results)
+        _state["results"] = {row["module"].rsplit(".", 1)[-1]: row for row in _state["rows"]}
+    return _state["results"]
 
 
-def _run_json(args: list[str]):
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
-    log.info("python %s: exit %d in %.1f s", " ".join(args[:3]), proc.returncode, time.perf_counter() - t0)
-    try:
-        data = json.loads(proc.stdout)
-    except json.JSONDecodeError:
-        log.warning("python %s printed no JSON:\n%s", " ".join(args), proc.stderr[-3000:])
-        return None, proc.returncode
-    return data, proc.returncode
-
-
-def _derivation_rows() -> list[dict] | None:
-    """Run ``python -m derivations --json`` once per build and return its rows (one per check)."""
-    if "derivations" in _state:
-        return _state["derivations"]
-    rows = None
-    if (ROOT / "derivations" / "__main__.py").is_file():
-        data, code = _run_json(["-m", "derivations", "--json"])
-        if isinstance(data, dict):
-            data = data.get("checks") or data.get("rows") or data.get("results")
-        if isinstance(data, list):
-            rows = data
-        if code != 0:
-            log.warning("python -m derivations --json failed (exit %d)", code)
-    _state["derivations"] = rows
-    return rows
-
-
-def _module_rows(name: str) -> tuple[list[dict], str]:
-    """The rows of one derivation module, and the command that produced them."""
-    rows = _derivation_rows()
-    if rows is not None:
-        mine = [r for r in rows if _row_module(r) == name]
-        if mine:
-            return mine, "python -m derivations --json"
-    # Without the runner (or if it does not list the module), ask the module itself.
-    code = (
-        "import json, importlib; "
-        f"r = importlib.import_module('derivations.{name}').check(); "
-        "r = r if isinstance(r, list) else [r]; "
-        "print(json.dumps([x.to_dict() if hasattr(x, 'to_dict') else x for x in r]))"
-    )
-    data, _ = _run_json(["-c", code])
-    return (data if isinstance(data, list) else []), f"derivations.{name}.check()"
+def _page_link(module: str, from_page: str) -> str:
+    """Relative link from `from_page` to the page that shows `module`."""
+    target = _state["pages"][module]
+    return os.path.relpath(target, os.path.dirname(from_page) or ".").replace(os.sep, "/")
 
 
 def _cell(value) -> str:
@@ -189,105 +190,59 @@ def _cell(value) -> str:
 _SUMMARY_KEYS = ("identity", "method", "sizes", "passed", "negative_control", "negative_control_rejected")
 
 
-def _row_module(row: dict) -> str:
-    for key in ("module", "identity", "name"):
-        if key in row:
-            return str(row[key]).rsplit(".", 1)[-1]
-    return ""
-
-
 def _failed(row: dict) -> bool:
-    return row.get("passed") is False or row.get("negative_control_rejected") is False
+    return not (row["passed"] and row["negative_control_rejected"])
 
 
-def _derivation(arg: str) -> str:
+def _derivation(arg: str, page) -> str:
     name = arg.strip()
-    if not (ROOT / "derivations" / f"{name}.py").is_file():
-        return _problem(f"derivations/{name}.py does not exist")
-    rows, source = _module_rows(name)
-    if not rows:
-        return _problem(f"no check results for derivations.{name}")
-    for row in rows:
-        if _failed(row):
-            log.warning("derivations.%s: a check failed or a negative control was accepted", name)
-    out = [f"The output of `{source}` for this module, produced while this page was built:\n"]
-    for row in rows:
-        keys = [k for k in _SUMMARY_KEYS if k in row] + [k for k in row if k not in _SUMMARY_KEYS
-                                                          and k not in ("module", "details")]
-        out.append("| check | " + _cell(row.get("module", name)) + " |\n|---|---|")
-        out.extend(f"| {k.replace('_', ' ')} | {_cell(row[k])} |" for k in keys)
-        out.append("")
-    details = [line for row in rows for line in row.get("details", [])]
-    if details:
-        out.append("```text")
-        out.extend(details)
-        out.append("```\n")
+    row = _results()[name]  # module_pages() has already stopped the build for an unknown name
+    if _failed(row):
+        log.warning("derivations.%s: a check failed or a negative control was accepted", name)
+    out = [f"The output of `derivations.{name}.check()`, produced while this page was built:\n",
+           f"| check | {_cell(row['module'])} |", "|---|---|"]
+    out.extend(f"| {k.replace('_', ' ')} | {_cell(row[k])} |" for k in _SUMMARY_KEYS)
+    out += ["", "```text", *row["details"], "```\n"]
     return "\n".join(out)
 
 
-def _derivations_table(_arg: str) -> str:
-    rows = _derivation_rows()
-    if rows is None:
-        return _problem("`python -m derivations --json` gave no rows")
+def _derivations_table(_arg: str, page) -> str:
     out = ["| identity | method | sizes | result | negative control rejected |", "|---|---|---|---|---|"]
-    for row in rows:
-        module = _row_module(row)
-        identity = _cell(row.get("identity", module))
-        if module in MATH_PAGES:
-            identity = f"[{identity}]({MATH_PAGES[module].removeprefix('math/')})"
-        out.append(f"| {identity} | {_cell(row.get('method'))} | {_cell(row.get('sizes'))} | "
-                   f"{_cell(row.get('result', row.get('passed')))} | {_cell(row.get('negative_control_rejected'))} |")
+    for name, row in _results().items():
+        identity = f"[{_cell(row['identity'])}]({_page_link(name, page.file.src_uri)})"
+        out.append(f"| {identity} | {_cell(row['method'])} | {_cell(row['sizes'])} | "
+                   f"{_cell(row['result'])} | {_cell(row['negative_control_rejected'])} |")
     out.append("")
-    if any(_failed(r) for r in rows):
-        log.warning("python -m derivations reports a failed check")
     return "\n".join(out)
 
 
-MATH_PAGES = {
-    "matmul_backward": "math/matmul-backward.md",
-    "softmax_backward": "math/softmax-backward.md",
-    "d_identity": "math/d-identity.md",
-    "online_softmax": "math/online-softmax.md",
-    "base2_lse": "math/base2-lse.md",
-    "softmax_scale": "math/softmax-scale.md",
-    "masking_hazards": "math/masking.md",
-    "causal_masking": "math/causal.md",
-    "cost_model": "math/cost-model.md",
-    "dropout": "math/dropout.md",
-}
-
-
-def _errata(_arg: str) -> str:
+def _errata(_arg: str, page) -> str:
     """Render derivations/errata.py and confirm each entry against this build's check output."""
-    if not (ROOT / "derivations" / "errata.py").is_file():
-        return _problem("derivations/errata.py does not exist")
-    try:
-        errata = importlib.import_module("derivations.errata")
-        entries = [e.to_dict() if hasattr(e, "to_dict") else dict(e) for e in errata.ERRATA]
-    except Exception as exc:  # noqa: BLE001 - any failure to read the data is a build problem
-        return _problem(f"cannot read derivations.errata.ERRATA: {exc!r}")
-    if not entries:
-        return _problem("derivations.errata.ERRATA is empty")
+    from derivations.errata import ERRATA
+
+    if not ERRATA:
+        raise PluginError("derivations.errata.ERRATA is empty")
     out = []
-    for number, e in enumerate(entries, 1):
-        module = e["check"].split(":")[0].rsplit(".", 1)[-1]
-        rows, source = _module_rows(module)
-        details = [line for row in rows for line in row.get("details", [])]
-        if e["verdict"] == "rejected":
-            wanted, meaning = "rejected  control: " + e["evidence"], "rejects this claim"
+    for number, e in enumerate(ERRATA, 1):
+        module = e.check.split(":")[0].rsplit(".", 1)[-1]
+        details = _results()[module]["details"]
+        if e.verdict == "rejected":
+            wanted, meaning = "rejected  control: " + e.evidence, "rejects this claim"
         else:
-            wanted, meaning = "ok        " + e["evidence"], "confirms the correction"
+            wanted, meaning = "ok        " + e.evidence, "confirms the correction"
         if wanted not in details:
-            log.warning("erratum %d: %r is not in the output of %s", number, wanted, e["check"])
-            status = f"**not confirmed**: the line below is missing from the output of `{source}`"
+            log.warning("erratum %d: %r is not in the output of %s", number, wanted, e.check)
+            status = "**not confirmed**: the line below is missing from the check's output"
         else:
-            status = f"confirmed in this build: `{source}` {meaning}"
-        page = MATH_PAGES.get(module)
-        where = f" (see [{module.replace('_', ' ')}]({page}))" if page else ""
-        out.append(f"## {number}. {_md_inline(e['claim']).rstrip('.')}\n")
+            status = f"confirmed in this build: the check {meaning}"
+        out.append(f"## {number}. {e.title}\n")
+        out.append(f"*Source:* {_md_inline(e.source)}.\n")
+        out.append('!!! failure "The claim"\n')
+        out.append(f"    {_md_inline(e.claim)}\n")
         out.append('!!! success "What holds"\n')
-        out.append(f"    {_md_inline(e['correction'])}\n")
-        out.append(f"**Checked by** `{e['check']}`{where}, {status}:\n")
+        out.append(f"    {_md_inline(e.correction)}\n")
+        out.append(f"**Checked by** `{e.check}` (see [{module.replace('_', ' ')}]"
+                   f"({_page_link(module, page.file.src_uri)})), {status}:\n")
         out.append(f"```text\n{wanted}\n```\n")
     return "\n".join(out)
 
@@ -296,7 +251,7 @@ def _md_inline(text) -> str:
     return str(text).replace("\n", " ")
 
 
-def _benchmarks(_arg: str) -> str:
+def _benchmarks(_arg: str, page=None) -> str:
     summary = RESULTS / "summary.md"
     pngs = sorted(RESULTS.glob("*.png")) if RESULTS.is_dir() else []
     jsons = sorted(RESULTS.glob("*.json")) if RESULTS.is_dir() else []
@@ -340,8 +295,9 @@ def on_page_markdown(markdown: str, page, config, files):
     def expand(m: re.Match) -> str:
         name, arg = m.group(1), m.group(2)
         if name not in _HANDLERS:
-            return _problem(f"unknown directive flashattn:{name} on {page.file.src_uri}")
-        return _HANDLERS[name](arg)
+            raise PluginError(f"unknown directive flashattn:{name} on {page.file.src_uri} "
+                              f"(known: {', '.join(sorted(_HANDLERS))})")
+        return _HANDLERS[name](arg, page)
 
     return _DIRECTIVE.sub(expand, markdown)
 
