@@ -118,8 +118,9 @@ def _bwd_dkdv_inner(
         dp_t = tl.dot(b_v, tl.trans(b_do))
         p_t = tl.exp2(s_t - b_lse2[None, :])  # P = exp(s - lse): the forward's softmax, recomputed
         if MASKED:
-            # Rows past N are zeroed *explicitly*: their Q, dO are read as zeros today, but a dirty
-            # padding row (scores above 128 in base 2) would make P = inf and dS = inf * 0 = NaN.
+            # Rows past N are zeroed explicitly. Defensive: their Q and dO load as zeros (descriptor
+            # zero-fill) and their lse2 and D as 0 (other=0.0), so P stays finite; the mask keeps a
+            # padding row out of dK and dV even if a future load stopped zero-filling.
             p_t = tl.where(visible(rows[None, :], offs_n[:, None], N_CTX_Q, N_CTX_K, CAUSAL), p_t, 0.0)
         # --8<-- [end:bwd-recompute-p]
         # --8<-- [start:bwd-dv-accumulate]
