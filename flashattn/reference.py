@@ -267,8 +267,8 @@ def _cache_rows(cache: torch.Tensor, b: int, length: int, block_table=None) -> t
     if block_table is None:
         return cache[b, :length]
     page_size = cache.shape[1]
-    rows = [cache[int(block_table[b, j // page_size]), j % page_size] for j in range(length)]
-    return torch.stack(rows) if rows else cache[0, :0]
+    pages = block_table[b, : (length + page_size - 1) // page_size].long()  # the sequence's pages, in order
+    return cache[pages].flatten(0, 1)[:length]  # (pages, page_size, Hkv, D) -> (length, Hkv, D)
 
 
 def kvcache_append_reference(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None):
