@@ -138,7 +138,7 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     mask_r = offs_r < n_rows
     mask_d = offs_d < HEAD_DIM
-    i_q = offs_r // GROUP  # query index of each row
+    i_q = (offs_r // GROUP).to(tl.int64)  # query index of each row; 64-bit, as the row offsets below
     i_hq = i_hkv * GROUP + offs_r % GROUP  # query head of each row
     p_q = Q + i_b.to(tl.int64) * stride_qb + i_q[:, None] * stride_qn + i_hq[:, None] * stride_qh \
         + offs_d[None, :] * stride_qd
@@ -242,7 +242,7 @@ def _decode_merge_kernel(
     empty = l_i == 0.0
     b_o = acc / tl.where(empty, 1.0, l_i)[:, None]
     b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    i_q = offs_r // GROUP
+    i_q = (offs_r // GROUP).to(tl.int64)
     i_hq = i_hkv * GROUP + offs_r % GROUP
     p_o = O + i_b.to(tl.int64) * stride_ob + i_q[:, None] * stride_on + i_hq[:, None] * stride_oh \
         + offs_d[None, :] * stride_od

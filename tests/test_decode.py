@@ -416,3 +416,23 @@ def test_gpu_large_logits_and_poisoned_scratch(monkeypatch):
     assert s.abs().max() > 60, "inputs do not produce large logits"
     seqlens = torch.tensor([0, 1, 63, 64, 65, 1000, 4095, 4096], dtype=torch.int32, device=DEVICE)
     _check(q, k_cache, v_cache, seqlens, None, None, True, num_splits=16)
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark's report (its timing needs a GPU: python -m benchmarks.decode --out DIR).
+# ----------------------------------------------------------------------------------------------
+
+def test_benchmark_table_reports_ratio_bandwidth_and_wrong_results(tmp_path, monkeypatch):
+    from benchmarks import decode as bench
+
+    def row(provider, us, passed=True, status="ok"):
+        return {"M": 8192, "Nq": 1, "provider": provider, "status": status, "us": us, "copy_fraction": 0.5,
+                "check": {"passed": passed}, "gqa": "enable_gqa", "layout": "view"}
+
+    result = {"what": "test", "device": "none", "versions": {"torch": "x", "triton": "y"}, "copy_bandwidth_gbps": 4000,
+              "rows": [row("flashattn", 100.0), row("sdpa_flash", 150.0), row("sdpa_cudnn", 120.0, passed=False),
+                       {"M": 8192, "Nq": 1, "provider": "flex", "status": "error", "error": "boom"}]}
+    table = bench.markdown(result)
+    assert "| 8192 | 1 | 100 | 150 | 120 (WRONG) | error | 1.20x | 50% |" in table
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--out", str(tmp_path)]) == 2
