@@ -233,3 +233,154 @@ def online_backward(
         dq[..., rows, :] = (b_dq * scale)[..., :width, :].to(q.dtype)
     return dq.reshape(b, h_q, n, d), dk, dv
 # --8<-- [end:online-backward]
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding against a KV cache (flashattn.decode): the cache append, attention per sequence, and the
+# split-KV partials and their merge. Layout of flash_attn's ``flash_attn_with_kvcache``: q is
+# (B, Nq, Hq, D); the cache is (B, Mmax, Hkv, D), or paged (num_pages, page_size, Hkv, D) with a
+# (B, max_pages) block table whose row b lists the pages of sequence b in order.
+# ----------------------------------------------------------------------------------------------
+
+
+# --8<-- [start:decode-split-range]
+def decode_split_range(split, n_splits, seq_len, block_n):
+    """Keys ``[lo, hi)`` that split ``split`` of ``n_splits`` walks in a sequence of ``seq_len`` keys.
+
+    The sequence's key blocks are dealt out in equal runs of whole blocks, so ``lo`` is a multiple of
+    ``block_n`` and only the last block of the sequence is ragged. A split whose run starts past the
+    end gets no keys (the caller clamps ``hi`` to the sequence). Only ``+``, ``-``, ``*`` and ``//``
+    on non-negative integers: the split kernel runs this very function.
+    """
+    blocks = (seq_len + block_n - 1) // block_n
+    per_split = (blocks + n_splits - 1) // n_splits
+    lo = split * per_split * block_n
+    return lo, lo + per_split * block_n
+# --8<-- [end:decode-split-range]
+
+
+def _cache_rows(cache: torch.Tensor, b: int, length: int, block_table=None) -> torch.Tensor:
+    """Rows ``0 .. length`` of sequence ``b`` as a (length, Hkv, D) tensor, through the pages if any."""
+    if block_table is None:
+        return cache[b, :length]
+    page_size = cache.shape[1]
+    pages = block_table[b, : (length + page_size - 1) // page_size].long()  # the sequence's pages, in order
+    return cache[pages].flatten(0, 1)[:length]  # (pages, page_size, Hkv, D) -> (length, Hkv, D)
+
+
+def kvcache_append_reference(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None):
+    """The caches after writing ``k_new[b, t]`` / ``v_new[b, t]`` at position ``cache_seqlens[b] + t``.
+
+    Returns new tensors (the inputs are cloned first); one row at a time, so it shares no indexing code
+    with the kernels' launcher.
+    """
+    k_out, v_out = k_cache.clone(), v_cache.clone()
+    if k_new is None:
+        return k_out, v_out
+    page_size = k_cache.shape[1]
+    for b in range(k_new.shape[0]):
+        for t in range(k_new.shape[1]):
+            pos = int(cache_seqlens[b]) + t
+            if block_table is None:
+                k_out[b, pos], v_out[b, pos] = k_new[b, t], v_new[b, t]
+            else:
+                page = int(block_table[b, pos // page_size])
+                k_out[page, pos % page_size], v_out[page, pos % page_size] = k_new[b, t], v_new[b, t]
+    return k_out, v_out
+
+
+def kvcache_attention_reference(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, causal=True,
+                                scale=None, block_table=None):
+    """Decoding by the definition: append on a copy, then :func:`naive_attention` per sequence.
+
+    Sequence b attends to its first ``L_b = cache_seqlens[b] + Nnew`` keys; with ``causal`` the
+    alignment is bottom-right within the sequence (query i sees key j when ``j <= i + L_b - Nq``).
+    Computes in the dtype of the inputs (float64 for a ground truth). Returns ``(o, lse, k_cache',
+    v_cache')``: o (B, Nq, Hq, D), lse (B, Hq, Nq) natural log, and the appended caches.
+    """
+    k_cache, v_cache = kvcache_append_reference(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+    n_new = 0 if k_new is None else k_new.shape[1]
+    batch, n_q, h_q, d = q.shape
+    o = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full((batch, h_q, n_q), float("-inf"), dtype=_acc_dtype(q), device=q.device)
+    for b in range(batch):
+        length = int(cache_seqlens[b]) + n_new
+        if length == 0:
+            continue  # no key at all: o = 0, lse = -inf
+        keys = _cache_rows(k_cache, b, length, block_table).transpose(0, 1)[None]  # (1, Hkv, L, D)
+        values = _cache_rows(v_cache, b, length, block_table).transpose(0, 1)[None]
+        o_b, lse_b = naive_attention(q[b : b + 1].transpose(1, 2), keys, values, causal=causal, scale=scale)
+        o[b] = o_b[0].transpose(0, 1)
+        lse[b] = lse_b[0]
+    return o, lse, k_cache, v_cache
+
+
+# --8<-- [start:split-kv-partials]
+def split_kv_partials(q, k, v, n_splits, block_n, causal=True, scale=None):
+    """The partial results of split-KV decoding for one sequence, each over one split's keys.
+
+    q is (Hq, Nq, D); k, v are (Hkv, L, D), the sequence's keys after the append. Split s sees the
+    keys :func:`decode_split_range` gives it (the causal mask still uses their positions in the whole
+    sequence). Returns ``(o_parts, lse_parts)`` of shapes (S, Hq, Nq, D) and (S, Hq, Nq): each
+    partial is normalized over its own keys, and a split with no visible key has o = 0, lse = -inf.
+    """
+    h_q, n_q, d = q.shape
+    h_kv, length = k.shape[0], k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    group = h_q // h_kv
+    s_all = scale * (q.reshape(h_kv, group, n_q, d) @ k.unsqueeze(1).transpose(-1, -2))  # (Hkv, G, Nq, L)
+    if causal:
+        s_all = s_all.masked_fill(~causal_mask(n_q, length, q.device), float("-inf"))
+    o_parts, lse_parts = [], []
+    for split in range(n_splits):
+        lo, hi = decode_split_range(split, n_splits, length, block_n)
+        hi = min(hi, length)
+        s = s_all[..., lo:max(lo, hi)]  # (Hkv, G, Nq, keys of this split)
+        lse = torch.logsumexp(s, dim=-1) if s.shape[-1] else s.new_full(s.shape[:-1], float("-inf"))
+        # rows that see no key of this split: lse = -inf, and their weights exp(-inf - (-inf)) are NaN
+        safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        p = torch.exp(s - safe[..., None])
+        o_parts.append((p @ v[:, lo:max(lo, hi)].unsqueeze(1)).reshape(h_q, n_q, d))
+        lse_parts.append(lse.reshape(h_q, n_q))
+    return torch.stack(o_parts), torch.stack(lse_parts)
+# --8<-- [end:split-kv-partials]
+
+
+# --8<-- [start:merge-partials]
+def merge_partials(o_parts, lse_parts):
+    """Merge partial results over disjoint key sets into the result over their union.
+
+    With LSE = log(sum of exp of the scores), the union has LSE = log sum_s exp(LSE_s), and its
+    output is the average of the partial outputs weighted by exp(LSE_s - LSE): each partial's share
+    of the total softmax mass. The weights are computed against a pivot (the largest LSE_s), which
+    any finite value could be; partials with LSE_s = -inf get weight 0, and a row where every
+    partial is empty gets o = 0 and LSE = -inf instead of 0/0.
+    """
+    m = lse_parts.amax(dim=0)  # the pivot
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse_parts - m_safe)  # (S, ...): exp(-inf) = 0 for empty partials
+    total = w.sum(dim=0)
+    o_weighted = (w[..., None] * torch.where(w[..., None] > 0, o_parts, torch.zeros_like(o_parts))).sum(dim=0)
+    o = o_weighted / torch.where(total > 0, total, torch.ones_like(total))[..., None]
+    return o, m_safe + torch.log(total)  # log(0) = -inf for rows no split saw
+# --8<-- [end:merge-partials]
+
+
+def split_kv_attention_reference(q, k_cache, v_cache, cache_seqlens, n_splits, block_n, causal=True, scale=None,
+                                 block_table=None):
+    """Decoding (without an append) as split-KV does it: partials per split, then the merge.
+
+    Same arguments and results (o, lse) as :func:`kvcache_attention_reference`, for a cache that
+    already holds the keys; equal to it up to rounding for any ``n_splits`` and ``block_n``.
+    """
+    batch, n_q, h_q, d = q.shape
+    o = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full((batch, h_q, n_q), float("-inf"), dtype=_acc_dtype(q), device=q.device)
+    for b in range(batch):
+        length = int(cache_seqlens[b])
+        keys = _cache_rows(k_cache, b, length, block_table).transpose(0, 1)  # (Hkv, L, D)
+        values = _cache_rows(v_cache, b, length, block_table).transpose(0, 1)
+        o_parts, lse_parts = split_kv_partials(q[b].transpose(0, 1), keys, values, n_splits, block_n, causal, scale)
+        o_b, lse_b = merge_partials(o_parts, lse_parts)
+        o[b], lse[b] = o_b.transpose(0, 1).to(q.dtype), lse_b.to(lse.dtype)
+    return o, lse

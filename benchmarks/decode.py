@@ -1,0 +1,212 @@
+"""Decoding benchmark: one (or a few) new queries against a KV cache, flashattn against its peers.
+
+    python -m benchmarks.decode --out DIR [--seqlens 1024,2048,...] [--queries 1,4]
+
+Grid: B = 16 sequences, 32 query heads sharing 8 K/V heads (GQA 4), D = 128, bfloat16, a cache of
+M = 1k .. 32k keys per sequence (every sequence full), Nq = 1 and 4 new queries. The cache is
+stored (B, M, Hkv, D), as ``flash_attn_with_kvcache`` and flashattn take it; the peers get the
+(B, Hkv, M, D) transposed *views* of the same memory (no copy), and a contiguous copy only if a
+backend refuses the view (recorded per row as ``layout``).
+
+Every provider computes the same thing: attention **without** a causal mask. For one query causal
+and non-causal agree; for 4 queries bottom-right causal would hide 3 diagonal keys, and SDPA's
+``is_causal`` is top-left aligned (it would hide almost the whole cache), so no provider masks.
+
+* ``flashattn``: ``flashattn.decode.attention_with_kvcache`` with int32 ``cache_seqlens`` (as a
+  server calls it; the call checks the lengths against the capacity with one device sync);
+* ``flashattn_int``: the same with ``cache_seqlens`` a Python int (no sync);
+* ``sdpa_flash``, ``sdpa_cudnn``: ``scaled_dot_product_attention`` under ``sdpa_kernel`` of one
+  backend, with ``enable_gqa=True`` (K/V not repeated); if the backend refuses GQA, K/V repeated to
+  32 heads *outside* the timed call (recorded as ``gqa = "repeated"``, and it reads 4x the bytes);
+* ``flex``: ``flex_attention`` compiled (``torch.compile(dynamic=False)``), ``enable_gqa=True``.
+
+Timing: ``triton.testing.do_bench`` (median; the L2 cache is flushed before every call). Bandwidth
+is the K and V bytes of the cache over the time, and is reported as a fraction of the copy
+bandwidth measured in the same run (``dst.copy_(src)`` of 1 GiB, read + write bytes). Each provider's
+output is checked against the float64 reference with the tests' ratio rule before it is timed.
+Writes ``DIR/decode.json`` and ``DIR/decode.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import platform
+import sys
+import time
+
+import torch
+
+B, H_Q, H_KV, D = 16, 32, 8, 128
+DTYPE = torch.bfloat16
+SEQLENS = (1024, 2048, 4096, 8192, 16384, 32768)
+QUERIES = (1, 4)
+PROVIDERS = ("flashattn", "flashattn_int", "sdpa_flash", "sdpa_cudnn", "flex")
+
+
+def _bench(fn) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes per second of ``dst.copy_(src)`` on 1 GiB (read + written bytes)."""
+    src = torch.empty(1 << 29, dtype=torch.float16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def make_inputs(m, n_q, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(B, n_q, H_Q, D, dtype=DTYPE, device=device, generator=gen)
+    k_cache = torch.randn(B, m, H_KV, D, dtype=DTYPE, device=device, generator=gen)
+    v_cache = torch.randn(B, m, H_KV, D, dtype=DTYPE, device=device, generator=gen)
+    return q, k_cache, v_cache
+
+
+def prepare(name, q, k_cache, v_cache):
+    """``(fn, info)``: fn() returns o as (B, Nq, Hq, D); info says how the provider was called."""
+    import torch.nn.functional as F
+
+    m = k_cache.shape[1]
+    if name in ("flashattn", "flashattn_int"):
+        from flashattn.decode import attention_with_kvcache
+
+        lengths = m if name == "flashattn_int" else torch.full((B,), m, dtype=torch.int32, device=q.device)
+        return (lambda: attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=False),
+                {"gqa": "packed", "layout": "(B, M, Hkv, D)"})
+    qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # (B, H, L, D) views
+    if name == "flex":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        torch._dynamo.reset()
+        compiled = torch.compile(flex_attention, dynamic=False)
+        return (lambda: compiled(qt, kt, vt, enable_gqa=True).transpose(1, 2),
+                {"gqa": "enable_gqa", "layout": "(B, Hkv, M, D) view"})
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[name]
+    attempts = [("enable_gqa", "(B, Hkv, M, D) view", kt, vt, True),
+                ("enable_gqa", "(B, Hkv, M, D) contiguous", kt.contiguous(), vt.contiguous(), True)]
+    group = H_Q // H_KV
+    attempts.append(("repeated", "(B, Hq, M, D) contiguous", kt.repeat_interleave(group, 1).contiguous(),
+                     vt.repeat_interleave(group, 1).contiguous(), False))
+    errors = []
+    for gqa, layout, k_, v_, enable in attempts:
+        def fn(k_=k_, v_=v_, enable=enable):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, k_, v_, enable_gqa=enable).transpose(1, 2)
+        try:
+            fn()
+            torch.cuda.synchronize()
+            return fn, {"gqa": gqa, "layout": layout, "refused": errors}
+        except RuntimeError as exc:  # this backend has no kernel for these inputs: try the next form
+            errors.append(f"{gqa}/{layout}: {str(exc).splitlines()[0][:200]}")
+    raise RuntimeError("; ".join(errors))
+
+
+def check(o, q, k_cache, v_cache) -> dict:
+    """Error against float64, next to the error of the naive attention computed in bfloat16."""
+    from flashattn.reference import naive_attention
+    from flashattn.testing import rel_err
+
+    ref = naive_attention(q.transpose(1, 2).double(), k_cache.transpose(1, 2).double(),
+                          v_cache.transpose(1, 2).double())[0].transpose(1, 2)
+    lowp = naive_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2))[0].transpose(1, 2)
+    err, base = rel_err(o, ref), rel_err(lowp, ref)
+    return {"rel_err": err, "torch_bf16_rel_err": base, "passed": bool(err <= 2.0 * base + 1e-5)}
+
+
+def run(seqlens, queries, providers, device) -> dict:
+    bw_copy = copy_bandwidth(device)
+    rows = []
+    for m in seqlens:
+        for n_q in queries:
+            q, k_cache, v_cache = make_inputs(m, n_q, device)
+            kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
+            for name in providers:
+                row = {"M": m, "Nq": n_q, "provider": name}
+                t0 = time.monotonic()
+                try:
+                    fn, info = prepare(name, q, k_cache, v_cache)
+                    row.update(info)
+                    row["check"] = check(fn(), q, k_cache, v_cache)
+                    ms = _bench(fn)
+                    row.update(status="ok", us=ms * 1e3, gbps=kv_bytes / (ms * 1e-3) / 1e9,
+                               copy_fraction=kv_bytes / (ms * 1e-3) / bw_copy)
+                except Exception as exc:  # noqa: BLE001 -- recorded, the run goes on
+                    row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:500])
+                row["wall_s"] = round(time.monotonic() - t0, 1)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del q, k_cache, v_cache
+            torch.cuda.empty_cache()
+    import triton
+
+    return {
+        "what": "decoding against a full KV cache, non-causal, B=16, Hq=32, Hkv=8, D=128, bfloat16",
+        "device": torch.cuda.get_device_name(device),
+        "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+                     "cuda": torch.version.cuda},
+        "copy_bandwidth_gbps": bw_copy / 1e9,
+        "rows": rows,
+    }
+
+
+def markdown(result: dict) -> str:
+    rows = result["rows"]
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    peers = [p for p in providers if not p.startswith("flashattn")]
+    lines = [f"Decoding, {result['what']}; {result['device']}, torch {result['versions']['torch']}, "
+             f"triton {result['versions']['triton']}. Time per call in µs (median of do_bench); "
+             f"copy bandwidth {result['copy_bandwidth_gbps']:.0f} GB/s.", "",
+             "| M | Nq | " + " | ".join(providers) + " | flashattn / best peer | flashattn % of copy BW |",
+             "|" + "---|" * (len(providers) + 4)]
+    for m, n_q in dict.fromkeys((r["M"], r["Nq"]) for r in rows):
+        cell = {r["provider"]: r for r in rows if r["M"] == m and r["Nq"] == n_q}
+
+        def show(p):
+            r = cell.get(p)
+            if r is None or r["status"] != "ok":
+                return "error" if r else "-"
+            flag = "" if r["check"]["passed"] else " (WRONG)"
+            return f"{r['us']:.0f}{flag}"
+
+        ours = cell.get("flashattn")
+        best = min((cell[p]["us"] for p in peers if p in cell and cell[p]["status"] == "ok"), default=math.nan)
+        speedup = best / ours["us"] if ours and ours["status"] == "ok" else math.nan
+        frac = 100 * ours["copy_fraction"] if ours and ours["status"] == "ok" else math.nan
+        lines.append(f"| {m} | {n_q} | " + " | ".join(show(p) for p in providers) + f" | {speedup:.2f}x | {frac:.0f}% |")
+    gqa = {r["provider"]: f"{r['gqa']}, {r['layout']}" for r in rows if r.get("status") == "ok"}
+    lines += ["", "How each peer took GQA and the cache: " + "; ".join(f"{p}: {g}" for p, g in gqa.items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, type=pathlib.Path)
+    parser.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
+    parser.add_argument("--queries", default=",".join(map(str, QUERIES)))
+    parser.add_argument("--providers", default=",".join(PROVIDERS))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks.decode needs a CUDA GPU", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    result = run([int(x) for x in args.seqlens.split(",")], [int(x) for x in args.queries.split(",")],
+                 args.providers.split(","), torch.device("cuda"))
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    (args.out / "decode.json").write_text(json.dumps(result, indent=1))
+    (args.out / "decode.md").write_text(markdown(result))
+    print(markdown(result))
+    print(f"wrote {args.out / 'decode.json'} and {args.out / 'decode.md'} in {result['wall_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""Decoding against a KV cache: :func:`attention_with_kvcache`, forward only.
+
+Layout of ``flash_attn.flash_attn_with_kvcache`` (heads after the sequence dimension):
+
+* ``q``: (B, Nq, Hq, D), the new queries of each sequence (Nq = 1 for plain decoding);
+* ``k_cache``, ``v_cache``: (B, Mmax, Hkv, D), or a **paged** cache (num_pages, page_size, Hkv, D) with
+  ``block_table`` (B, max_pages) int32, whose row b lists the pages of sequence b in order;
+* ``cache_seqlens``: (B,) int32 (or one Python int for all): the keys each sequence already holds;
+* ``k_new``, ``v_new``: (B, Nnew, Hkv, D), written **in place** into the cache at positions
+  ``cache_seqlens[b] .. cache_seqlens[b] + Nnew - 1`` (through the block table when paged).
+
+Sequence b then attends to its first ``L_b = cache_seqlens[b] + Nnew`` keys. Validation happens here,
+before anything is written or launched; this module does not import Triton (the kernels in
+:mod:`flashattn.decode_kernels` are imported at the first call that runs them).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from dataclasses import dataclass
+
+import torch
+
+from flashattn import reference
+
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class DecodeProblem:
+    """The validated shape of one call: what the launcher and the reference need to know."""
+
+    batch: int
+    n_q: int
+    h_q: int
+    h_kv: int
+    head_dim: int
+    n_new: int
+    page_size: int  # 0 for a contiguous cache
+    capacity: int  # most keys a sequence can hold: Mmax, or max_pages * page_size
+    causal: bool
+    scale: float
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_tensor(name, x, dims, layout):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D {layout}, got shape {tuple(x.shape)}")
+
+
+def _validate(q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal, scale, block_table, num_splits,
+              return_lse) -> DecodeProblem:
+    _check_tensor("q", q, 4, "(B, Nq, Hq, D)")
+    paged = block_table is not None
+    cache_layout = "(num_pages, page_size, Hkv, D)" if paged else "(B, Mmax, Hkv, D)"
+    _check_tensor("k_cache", k_cache, 4, cache_layout)
+    _check_tensor("v_cache", v_cache, 4, cache_layout)
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"q, k_cache and v_cache must share one dtype, got q {q.dtype}, "
+                        f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on the device of q ({q.device}), got {x.device}")
+    if q.is_cuda:
+        if q.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"on the GPU q, k_cache, v_cache must be float16 or bfloat16, got {q.dtype}")
+    elif q.device.type == "cpu":
+        if q.dtype not in REFERENCE_DTYPES:
+            raise TypeError(f"q, k_cache, v_cache must be float16, bfloat16, float32 or float64 on the CPU, got {q.dtype}")
+    else:
+        raise ValueError(f"q must be on a CUDA device or the CPU, got {q.device}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    batch, n_q, h_q, d = q.shape
+    h_kv, d_k = k_cache.shape[2], k_cache.shape[3]
+    if batch == 0 or n_q == 0 or h_q == 0:
+        raise ValueError(f"q needs at least one batch, query and head, got shape {tuple(q.shape)}")
+    if d_k != d:
+        raise ValueError(f"k_cache and v_cache must have the head dim D of q ({d}), got {d_k}")
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim D of q and the cache must be between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}, got {d}")
+    if h_kv == 0 or h_q % h_kv != 0:
+        raise ValueError(f"the number of query heads of q ({h_q}) must be a multiple of the number of "
+                         f"key/value heads of k_cache ({h_kv})")
+
+    if paged:
+        _check_tensor("block_table", block_table, 2, "(B, max_pages)")
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table must be on the device of q ({q.device}), got {block_table.device}")
+        if block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have one row per sequence (B = {batch}), got {block_table.shape[0]}")
+        page_size = k_cache.shape[1]
+        if page_size == 0 or k_cache.shape[0] == 0:
+            raise ValueError(f"a paged k_cache needs at least one page of at least one slot, got {tuple(k_cache.shape)}")
+        capacity = block_table.shape[1] * page_size
+    else:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache and v_cache must have the batch size of q ({batch}), got {k_cache.shape[0]} "
+                             "(a paged cache needs block_table)")
+        page_size, capacity = 0, k_cache.shape[1]
+
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together (both or neither)")
+    n_new = 0
+    if k_new is not None:
+        for name, x in (("k_new", k_new), ("v_new", v_new)):
+            _check_tensor(name, x, 4, "(B, Nnew, Hkv, D)")
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {x.dtype}")
+            if x.device != q.device:
+                raise ValueError(f"{name} must be on the device of q ({q.device}), got {x.device}")
+        if k_new.shape != v_new.shape:
+            raise ValueError(f"k_new and v_new must have the same shape, got {tuple(k_new.shape)} and {tuple(v_new.shape)}")
+        if k_new.shape[0] != batch or k_new.shape[2] != h_kv or k_new.shape[3] != d:
+            raise ValueError(f"k_new and v_new must be (B, Nnew, Hkv, D) = ({batch}, Nnew, {h_kv}, {d}), "
+                             f"got {tuple(k_new.shape)}")
+        n_new = k_new.shape[1]
+
+    if _is_int(cache_seqlens):
+        if not 0 <= cache_seqlens <= capacity - n_new:
+            raise ValueError(f"cache_seqlens ({cache_seqlens}) + Nnew ({n_new}) must lie in [0, {capacity}], "
+                             "the capacity of the cache")
+    elif isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype != torch.int32:
+            raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
+        if cache_seqlens.shape != (batch,):
+            raise ValueError(f"cache_seqlens must have shape (B,) = ({batch},), got {tuple(cache_seqlens.shape)}")
+        if cache_seqlens.device != q.device:
+            raise ValueError(f"cache_seqlens must be on the device of q ({q.device}), got {cache_seqlens.device}")
+    else:
+        raise TypeError(f"cache_seqlens must be an int32 tensor of shape (B,) or an int, got {type(cache_seqlens).__name__}")
+
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+        if not math.isfinite(scale) or scale < 0:
+            raise ValueError(f"scale must be finite and non-negative, got {scale}")
+    if num_splits is not None:
+        if not _is_int(num_splits):
+            raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
+        if not 1 <= num_splits <= 65535:
+            raise ValueError(f"num_splits must be between 1 and 65535, got {num_splits}")
+    if torch.is_grad_enabled():
+        for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
+            if x is not None and x.requires_grad:
+                raise ValueError(f"attention_with_kvcache is forward only (no gradients), but {name} requires grad; "
+                                 "call it under torch.no_grad() or torch.inference_mode()")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    return DecodeProblem(batch, n_q, h_q, h_kv, d, n_new, page_size, capacity, causal, scale)
+
+
+def _check_lengths(seq_lens: torch.Tensor, block_table, p: DecodeProblem, num_pages: int):
+    """The checks that need the lengths' values: one small reduction and one device sync.
+
+    Skipped while a CUDA graph is being captured (a sync is not allowed there); a graph's inputs
+    are checked by the eager call that warms it up.
+    """
+    if seq_lens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    lengths = seq_lens.long() + p.n_new
+    stats = [seq_lens.min(), lengths.max()]
+    if block_table is not None:
+        used = torch.arange(block_table.shape[1], device=seq_lens.device)[None, :] * p.page_size < lengths[:, None]
+        stats.append((((block_table < 0) | (block_table >= num_pages)) & used).sum())
+    values = torch.stack(stats).tolist()
+    if values[0] < 0:
+        raise ValueError(f"cache_seqlens must be non-negative, got a minimum of {values[0]}")
+    if values[1] > p.capacity:
+        raise ValueError(f"cache_seqlens + Nnew ({values[1]} at most) must not exceed the capacity of the cache "
+                         f"({p.capacity} keys{' = max_pages * page_size' if block_table is not None else ' = Mmax'})")
+    if block_table is not None and values[2]:
+        raise ValueError(f"block_table has {values[2]} entries outside [0, {num_pages}) among the pages the sequences use")
+
+
+# --8<-- [start:decode-append]
+def _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table):
+    """Write k_new[b, t], v_new[b, t] at position seq_lens[b] + t of sequence b, in place.
+
+    One scatter per cache (``index_put_``); a paged cache maps the position to (page, slot) through
+    the block table first.
+    """
+    batch, n_new = k_new.shape[:2]
+    pos = seq_lens.long()[:, None] + torch.arange(n_new, device=seq_lens.device)  # (B, Nnew)
+    if block_table is None:
+        index = (torch.arange(batch, device=seq_lens.device)[:, None].expand(batch, n_new), pos)
+    else:
+        page_size = k_cache.shape[1]
+        index = (block_table.long().gather(1, pos // page_size), pos % page_size)
+    k_cache.index_put_(index, k_new)
+    v_cache.index_put_(index, v_new)
+# --8<-- [end:decode-append]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, causal: bool = True,
+                           scale: float | None = None, block_table=None, num_splits: int | None = None,
+                           return_lse: bool = False):
+    """Attention of a few new queries against a KV cache, appending new keys first. Forward only.
+
+    Args:
+        q: (B, Nq, Hq, D) queries (the layout of ``flash_attn_with_kvcache``; any strides).
+        k_cache, v_cache: (B, Mmax, Hkv, D), or (num_pages, page_size, Hkv, D) with ``block_table``.
+            ``Hq % Hkv == 0``. Any strides. Modified in place when ``k_new`` is given.
+        cache_seqlens: (B,) int32 tensor on q's device, or an int: keys already in each sequence.
+        k_new, v_new: optional (B, Nnew, Hkv, D) keys and values to append before attending.
+        causal: bottom-right within each sequence: query i sees key j when ``j <= i + L_b - Nq``, with
+            ``L_b = cache_seqlens[b] + Nnew``. Without it every query sees all ``L_b`` keys.
+        scale: softmax scale, ``1 / sqrt(D)`` when None.
+        block_table: (B, max_pages) int32; row b lists the pages of sequence b. Any page size.
+        num_splits: how many programs share one sequence's keys; chosen from the problem size and
+            the SM count when None.
+        return_lse: also return the natural-log log-sum-exp, float32, shape (B, Hq, Nq).
+
+    Returns:
+        ``o`` (B, Nq, Hq, D) in q's dtype, or ``(o, lse)``. A query that sees no key (an empty
+        sequence, or causal rows before the first key) gets o = 0 and lse = -inf.
+
+    No gradients: with grad mode on, inputs that require grad raise ``ValueError``. The values of
+    ``cache_seqlens`` and ``block_table`` are checked against the cache's capacity with one device
+    sync (skipped during CUDA graph capture). CUDA tensors run the Triton split-KV kernels; CPU
+    tensors run the PyTorch reference, or the kernels under ``TRITON_INTERPRET=1`` (float16 and
+    bfloat16).
+    """
+    p = _validate(q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal, scale, block_table, num_splits,
+                  return_lse)
+    if _is_int(cache_seqlens):
+        seq_lens = torch.full((p.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+        max_keys = cache_seqlens + p.n_new  # known on the host: no sync, and the splits fit it
+    else:
+        seq_lens = cache_seqlens
+        _check_lengths(seq_lens, block_table, p, k_cache.shape[0])
+        max_keys = p.capacity
+    if p.n_new:
+        _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table)
+    if q.is_cuda or (_interpreting() and q.dtype in KERNEL_DTYPES):
+        from flashattn.decode_kernels import decode_forward  # imports triton
+
+        o, lse = decode_forward(q, k_cache, v_cache, seq_lens, p.n_new, block_table, p.causal, p.scale,
+                                max_keys, num_splits)
+    else:
+        # the cache already holds the new keys: attend to the first L_b of them, in float32 or float64
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        lengths = (seq_lens.long() + p.n_new).cpu()
+        o, lse, _, _ = reference.kvcache_attention_reference(
+            q.to(acc), k_cache.to(acc), v_cache.to(acc), lengths, causal=p.causal, scale=p.scale,
+            block_table=block_table)
+        o = o.to(q.dtype)
+    return (o, lse) if return_lse else o

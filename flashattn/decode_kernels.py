@@ -1,0 +1,350 @@
+"""Split-KV decoding kernels in Triton (flash-decoding), behind :func:`flashattn.decode.attention_with_kvcache`.
+
+Decoding has few queries (one per sequence, or a short chunk) and many keys. The forward kernel's
+grid, one program per (block of 128 query rows, batch * head), would launch B * Hq programs that each
+fill one row of a 128-row tile and walk every key alone. Here instead:
+
+* **GQA packing**: the G = Hq / Hkv query heads that read one K/V head share one tile. Tile row
+  ``r`` is query ``r // G`` of head ``hkv * G + r % G``, so a tile holds G heads x a few queries, and
+  every key block loaded from memory serves all of them.
+* **Split-KV**: the keys of one sequence are dealt out to ``n_splits`` programs
+  (:func:`flashattn.reference.decode_split_range`). Each writes its tile's output normalized over
+  its own keys, and the base-2 log-sum-exp of those keys, to float32 scratch.
+* **Merge**: a second small kernel combines the partials of each row with the online-softmax merge.
+
+Grid of the split kernel: (B * Hkv, splits, query tiles); the first axis is the one that grows with
+the problem (axes 1 and 2 stop at 65535). With one split the split kernel writes the final output
+itself and no merge runs.
+
+Shapes: q (B, Nq, Hq, D); the cache (B, Mmax, Hkv, D), or paged (pages, page_size, Hkv, D) with a
+(B, max_pages) int32 block table; any strides. Tiles are read with plain masked loads (a paged cache
+gathers each key row through the block table), so no layout needs a copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from flashattn import _config, reference
+from flashattn.forward import (LN2, LOG2E, _clamp, _fwd_end_visible_key, _fwd_first_masked_key, _head_dim_block,
+                               _interpreter_needs_float32, device_fn)
+
+_decode_split_range = device_fn(reference.decode_split_range)
+
+
+# --8<-- [start:decode-key-rows]
+@triton.jit
+def _key_rows(cols, table_row, in_range, stride_page, stride_row, PAGE_SIZE: tl.constexpr):
+    """Offsets (int64, [BLOCK_N]) of the cache rows that hold keys ``cols`` of one sequence.
+
+    Contiguous cache: row ``j`` of the sequence is at ``j * stride_row`` from its base. Paged cache
+    (``PAGE_SIZE > 0``): key ``j`` sits in slot ``j % PAGE_SIZE`` of page ``table[j // PAGE_SIZE]``.
+    The page is looked up per key, so a key block may cross pages and any page size works; keys
+    out of range read page 0 instead of a table entry that may not exist.
+    """
+    if PAGE_SIZE > 0:
+        page = tl.load(table_row + cols // PAGE_SIZE, mask=in_range, other=0)  # [BLOCK_N]
+        return page.to(tl.int64) * stride_page + (cols % PAGE_SIZE).to(tl.int64) * stride_row
+    else:
+        return cols.to(tl.int64) * stride_row
+# --8<-- [end:decode-key-rows]
+
+
+@triton.jit
+def _load_keys(ptrs, in_range, mask_d, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """One [BLOCK_N, BLOCK_D] tile of K or V: masked only where a block can leave the sequence or D."""
+    if MASKED:
+        return tl.load(ptrs, mask=in_range[:, None] & mask_d[None, :], other=0.0)
+    elif EVEN_D:
+        return tl.load(ptrs)  # every key of an unmasked block is in the sequence
+    else:
+        return tl.load(ptrs, mask=mask_d[None, :], other=0.0)
+
+
+# --8<-- [start:decode-inner]
+@triton.jit
+def _decode_inner(
+    acc, l_i, m_i, b_q, k_base, v_base, table_row, i_q, lo, hi, seq_len, N_Q, qk_scale,  #
+    stride_kp, stride_kn, stride_kd, stride_vp, stride_vn, stride_vd,  #
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Fold the key blocks starting in [lo, hi) into the online-softmax state of one packed tile."""
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    mask_d = offs_d < HEAD_DIM
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n  # [BLOCK_N]: key positions in the sequence
+        in_range = cols < seq_len
+        rows_k = _key_rows(cols, table_row, in_range, stride_kp, stride_kn, PAGE_SIZE)
+        rows_v = _key_rows(cols, table_row, in_range, stride_vp, stride_vn, PAGE_SIZE)
+        # [BLOCK_N, BLOCK_D]; keys past the sequence read as 0 and are masked to -inf below
+        b_k = _load_keys(k_base + rows_k[:, None] + offs_d[None, :] * stride_kd, in_range, mask_d, MASKED, EVEN_D)
+        qk = tl.dot(b_q, tl.trans(b_k))  # [BLOCK_M, BLOCK_N]: raw scores q . k
+        if MASKED:
+            # Keys past the sequence (the cache may hold stale rows there) go to -inf before the max.
+            visible = in_range[None, :]
+            if CAUSAL:
+                # bottom-right within the sequence: query i sees key j when j <= i + (L_b - Nq)
+                visible = visible & (cols[None, :] <= i_q[:, None] + (seq_len - N_Q))
+            s = tl.where(visible, qk * qk_scale, float("-inf"))  # base-2 scores
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+            # A row that has seen only masked keys pivots at 0: -inf - (-inf) would be NaN.
+            m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_pivot[:, None])  # [BLOCK_M, BLOCK_N]
+        else:
+            # every score is finite and qk_scale >= 0: one fused multiply-add per score
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_pivot = m_new
+            p = tl.exp2(qk * qk_scale - m_pivot[:, None])
+        alpha = tl.exp2(m_i - m_pivot)  # [BLOCK_M]: rescales the old state to the new pivot
+        l_i = l_i * alpha + tl.sum(p, 1)
+        b_v = _load_keys(v_base + rows_v[:, None] + offs_d[None, :] * stride_vd, in_range, mask_d, MASKED, EVEN_D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)  # [BLOCK_M, BLOCK_D]
+        m_i = m_new
+    return acc, l_i, m_i
+# --8<-- [end:decode-inner]
+
+
+# --8<-- [start:decode-split-kernel]
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, SEQLENS, TABLE, O_PART, LSE_PART, O, LSE,  #
+    stride_qb, stride_qn, stride_qh, stride_qd,  #
+    stride_kb, stride_kn, stride_kh, stride_kd,  #
+    stride_vb, stride_vn, stride_vh, stride_vd,  #
+    stride_tb, stride_ob, stride_on, stride_oh, stride_od,  #
+    H_KV, N_Q, N_NEW, N_SPLITS, qk_scale,  #
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    i_bh = tl.program_id(0)  # batch * K/V head
+    i_split = tl.program_id(1)
+    i_t = tl.program_id(2)  # tile of packed query rows
+    i_b = i_bh // H_KV
+    i_hkv = i_bh % H_KV
+    n_rows = GROUP * N_Q
+    seq_len = tl.load(SEQLENS + i_b) + N_NEW  # keys of this sequence, the appended ones included
+
+    # --8<-- [start:decode-pack]
+    # Row r of the tile is query r // GROUP of query head i_hkv * GROUP + r % GROUP: the heads that
+    # share this K/V head, times the queries, fill the rows one query of one head would leave empty.
+    offs_r = i_t * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    mask_r = offs_r < n_rows
+    mask_d = offs_d < HEAD_DIM
+    i_q = (offs_r // GROUP).to(tl.int64)  # query index of each row; 64-bit, as the row offsets below
+    i_hq = i_hkv * GROUP + offs_r % GROUP  # query head of each row
+    p_q = Q + i_b.to(tl.int64) * stride_qb + i_q[:, None] * stride_qn + i_hq[:, None] * stride_qh \
+        + offs_d[None, :] * stride_qd
+    b_q = tl.load(p_q, mask=mask_r[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    # --8<-- [end:decode-pack]
+
+    # --8<-- [start:decode-split-walk]
+    # Keys [0, full_end) are visible to every row of the tile, [full_end, hi) to some; the schedule's
+    # boundary functions take query indices, and the tile holds queries first_q .. last_q.
+    if CAUSAL:
+        first_q = (i_t * BLOCK_M) // GROUP
+        last_q = tl.minimum((i_t * BLOCK_M + BLOCK_M - 1) // GROUP, N_Q - 1)
+        full_end = _clamp(_fwd_first_masked_key(first_q, N_Q, seq_len), 0, seq_len)
+        hi = _clamp(_fwd_end_visible_key(first_q, last_q - first_q + 1, N_Q, seq_len), 0, seq_len)
+    else:
+        full_end = seq_len
+        hi = seq_len
+    # This program's share of the keys: whole blocks, so only the sequence's last block is ragged.
+    lo, split_hi = _decode_split_range(i_split, N_SPLITS, seq_len, BLOCK_N)
+    hi = tl.minimum(hi, split_hi)
+    full_end = tl.maximum(tl.minimum(full_end, hi), lo) // BLOCK_N * BLOCK_N  # lo is block-aligned
+    # --8<-- [end:decode-split-walk]
+
+    table_row = TABLE + i_b.to(tl.int64) * stride_tb  # unused without paging
+    if PAGE_SIZE > 0:
+        k_base = K + i_hkv.to(tl.int64) * stride_kh  # the page index selects the rest
+        v_base = V + i_hkv.to(tl.int64) * stride_vh
+    else:
+        k_base = K + i_b.to(tl.int64) * stride_kb + i_hkv.to(tl.int64) * stride_kh
+        v_base = V + i_b.to(tl.int64) * stride_vb + i_hkv.to(tl.int64) * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max, base 2
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, b_q, k_base, v_base, table_row, i_q, lo, full_end, seq_len, N_Q,
+                                  qk_scale, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
+                                  False, CAUSAL, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)
+    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, b_q, k_base, v_base, table_row, i_q, full_end, hi, seq_len, N_Q,
+                                  qk_scale, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
+                                  True, CAUSAL, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)
+
+    # --8<-- [start:decode-partial-store]
+    # l_i == 0 marks rows that saw no key in this split (an empty split, or causal rows that see
+    # nothing here): their partial is o = 0 with base-2 LSE -inf, which the merge weighs by 0.
+    empty = l_i == 0.0
+    b_o = acc / tl.where(empty, 1.0, l_i)[:, None]  # [BLOCK_M, BLOCK_D], normalized over this split
+    b_lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))  # [BLOCK_M]
+    if DIRECT:
+        # one split: this is the final answer, stored in place of the merge
+        p_o = O + i_b.to(tl.int64) * stride_ob + i_q[:, None] * stride_on + i_hq[:, None] * stride_oh \
+            + offs_d[None, :] * stride_od
+        tl.store(p_o, b_o.to(O.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
+        p_lse = LSE + (i_b.to(tl.int64) * (H_KV * GROUP) + i_hq) * N_Q + i_q  # lse is (B, Hq, Nq)
+        tl.store(p_lse, b_lse2 * LN2, mask=mask_r)
+    else:
+        # scratch (splits, B * Hkv, rows, D) and (splits, B * Hkv, rows), float32; the output of an
+        # empty row is never written, and the merge never reads it
+        part = (i_split.to(tl.int64) * tl.num_programs(0) + i_bh) * n_rows + offs_r  # [BLOCK_M]
+        tl.store(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], b_o,
+                 mask=(mask_r & ~empty)[:, None] & mask_d[None, :])
+        tl.store(LSE_PART + part, b_lse2, mask=mask_r)
+    # --8<-- [end:decode-partial-store]
+# --8<-- [end:decode-split-kernel]
+
+
+# --8<-- [start:decode-merge-kernel]
+@triton.jit
+def _decode_merge_kernel(
+    O_PART, LSE_PART, O, LSE,  #
+    stride_ob, stride_on, stride_oh, stride_od,  #
+    H_KV, N_Q, N_SPLITS,  #
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Merge the partials of BLOCK_R packed rows: LSE = log2 sum_s 2^LSE_s, O = sum_s 2^(LSE_s - LSE) O_s."""
+    i_bh = tl.program_id(0)
+    i_b = i_bh // H_KV
+    i_hkv = i_bh % H_KV
+    n_rows = GROUP * N_Q
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_r = offs_r < n_rows
+    mask_d = offs_d < HEAD_DIM
+    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)  # pivot: the largest LSE so far
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)  # sum of 2^(LSE_s - m_i)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)  # sum of 2^(LSE_s - m_i) O_s
+    for i_split in range(0, N_SPLITS):
+        part = (i_split * tl.num_programs(0) + i_bh).to(tl.int64) * n_rows + offs_r  # [BLOCK_R]
+        b_lse2 = tl.load(LSE_PART + part, mask=mask_r, other=float("-inf"))  # [BLOCK_R]
+        seen = b_lse2 != float("-inf")
+        # an empty partial's output was never written: it is not read, whatever the scratch holds
+        b_o = tl.load(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=(mask_r & seen)[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_R, BLOCK_D]
+        m_new = tl.maximum(m_i, b_lse2)
+        # rows with no partial seen yet pivot at 0, so 2^(-inf - 0) = 0 instead of 2^(-inf + inf) = NaN
+        m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_pivot)
+        w = tl.exp2(b_lse2 - m_pivot)  # this partial's share of the softmax mass, up to 2^m_pivot
+        l_i = l_i * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * b_o
+        m_i = m_new
+    # l_i >= 1 for every row some split saw (its largest partial weighs 2^0); rows none saw get 0 / -inf
+    empty = l_i == 0.0
+    b_o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    i_q = (offs_r // GROUP).to(tl.int64)
+    i_hq = i_hkv * GROUP + offs_r % GROUP
+    p_o = O + i_b.to(tl.int64) * stride_ob + i_q[:, None] * stride_on + i_hq[:, None] * stride_oh \
+        + offs_d[None, :] * stride_od
+    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
+    tl.store(LSE + (i_b.to(tl.int64) * (H_KV * GROUP) + i_hq) * N_Q + i_q, b_lse, mask=mask_r)
+# --8<-- [end:decode-merge-kernel]
+
+
+# Hopper and others alike (not tuned yet): the tile's M side is the packed rows, at least 16 for
+# tl.dot; the key block is as long as the registers allow at each head dim. Memory-bound, so the
+# pipeline depth matters more than the tile shape.
+_INTERPRETER_BLOCK_M, _INTERPRETER_BLOCK_N = 16, 16
+_INTERPRETER_SPLITS = 3  # fixed, so that the tests walk several splits, some of them empty
+MAX_SPLITS = 128
+PROGRAMS_PER_SM = 4  # split until the grid holds about this many programs per SM ...
+MIN_BLOCKS_PER_SPLIT = 4  # ... but give each split at least this many key blocks
+
+
+def decode_config(rows: int, block_d: int, device: torch.device) -> _config.KernelConfig:
+    """Tile of the split kernel for ``rows`` packed query rows per (sequence, K/V head)."""
+    if _config.is_interpreter() or device.type != "cuda":
+        return _config.KernelConfig(_INTERPRETER_BLOCK_M, _INTERPRETER_BLOCK_N, 4, 1)
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    if block_d <= 64:
+        return _config.KernelConfig(block_m, 128, 4, 3)
+    if block_d <= 128:
+        return _config.KernelConfig(block_m, 64, 4, 3)
+    return _config.KernelConfig(block_m, 32, 4, 2)
+
+
+# --8<-- [start:decode-num-splits]
+def choose_num_splits(programs: int, max_keys: int, block_n: int, device: torch.device) -> int:
+    """How many splits share the keys of one tile, from the problem size and the SM count.
+
+    ``programs`` is the grid without splits (B * Hkv * query tiles) and ``max_keys`` the most keys a
+    sequence can have. Enough splits to give every SM about ``PROGRAMS_PER_SM`` programs, so that
+    several tiles per SM keep their loads in flight, but no split shorter than
+    ``MIN_BLOCKS_PER_SPLIT`` key blocks, where the merge would cost more than the split saves.
+    """
+    if _config.is_interpreter() or device.type != "cuda":
+        return _INTERPRETER_SPLITS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    wanted = triton.cdiv(PROGRAMS_PER_SM * _config._sm_count(index), programs)
+    longest = triton.cdiv(max_keys, block_n) // MIN_BLOCKS_PER_SPLIT
+    return max(1, min(wanted, longest, MAX_SPLITS))
+# --8<-- [end:decode-num-splits]
+
+
+def _scratch(shape, device) -> torch.Tensor:
+    """Float32 scratch for the partials; a function so a test can hand out poisoned memory."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+# --8<-- [start:decode-launch]
+def decode_forward(q, k_cache, v_cache, seq_lens, n_new: int, block_table, causal: bool, scale: float,
+                   max_keys: int, num_splits: int | None = None):
+    """Run split-KV decoding on a cache that already holds the appended keys.
+
+    ``seq_lens`` (B,) int32 on q's device holds the lengths *before* the append of ``n_new`` keys;
+    ``max_keys`` bounds ``seq_lens + n_new`` (the cache's capacity when the lengths are not known on
+    the host). Returns ``(o, lse)``: o (B, Nq, Hq, D) contiguous in q's dtype, lse (B, Hq, Nq) float32
+    natural log. Inputs are validated by :mod:`flashattn.decode`.
+    """
+    if _interpreter_needs_float32(q):
+        o, lse = decode_forward(q.float(), k_cache.float(), v_cache.float(), seq_lens, n_new, block_table,
+                                causal, scale, max_keys, num_splits)
+        return o.to(q.dtype), lse
+    batch, n_q, h_q, d = q.shape
+    h_kv = k_cache.shape[2]
+    group = h_q // h_kv
+    rows = group * n_q
+    block_d = _head_dim_block(d)
+    cfg = decode_config(rows, block_d, q.device)
+    tiles = triton.cdiv(rows, cfg.block_m)
+    if tiles > 65535:
+        raise ValueError(f"q has too many queries for one call: Nq * Hq / Hkv = {rows} packed rows "
+                         f"need {tiles} tiles of {cfg.block_m}, at most 65535")
+    if num_splits is None:
+        num_splits = choose_num_splits(batch * h_kv * tiles, max_keys, cfg.block_n, q.device)
+    o = torch.empty((batch, n_q, h_q, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, h_q, n_q), dtype=torch.float32, device=q.device)
+    direct = num_splits == 1
+    if direct:
+        o_part = lse_part = lse  # not touched by the kernel
+    else:
+        o_part = _scratch((num_splits, batch * h_kv, rows, d), q.device)
+        lse_part = _scratch((num_splits, batch * h_kv, rows), q.device)
+    paged = block_table is not None
+    table = block_table if paged else seq_lens  # any int32 pointer; never read without paging
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _decode_split_kernel[(batch * h_kv, num_splits, tiles)](
+            q, k_cache, v_cache, seq_lens, table, o_part, lse_part, o, lse,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(),
+            block_table.stride(0) if paged else 0, *o.stride(),
+            h_kv, n_q, n_new, num_splits, scale * LOG2E.value,
+            GROUP=group, PAGE_SIZE=k_cache.shape[1] if paged else 0, CAUSAL=causal, DIRECT=direct,
+            HEAD_DIM=d, BLOCK_D=block_d, **cfg.launch_kwargs(),
+        )
+        if not direct:
+            _decode_merge_kernel[(batch * h_kv, tiles)](
+                o_part, lse_part, o, lse, *o.stride(), h_kv, n_q, num_splits,
+                GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_R=cfg.block_m, num_warps=4,
+            )
+    return o, lse
+# --8<-- [end:decode-launch]

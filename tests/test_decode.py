@@ -1,0 +1,438 @@
+"""Decoding against a KV cache: attention_with_kvcache, its split-KV kernels and its references.
+
+Without CUDA the kernels run under Triton's interpreter on tiny shapes, with 3 splits and 16 x 16
+tiles (flashattn.decode_kernels), so every case walks several splits, some of them empty; with CUDA
+the ``gpu`` tests run realistic decoding shapes. Every result is compared with the float64 reference
+(:func:`flashattn.reference.kvcache_attention_reference`) by the error ratio of
+:func:`flashattn.testing.assert_close_ratio`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+if not HAS_CUDA:
+    # As in test_kernels.py: the interpreter must be on before triton.jit sees the kernels.
+    os.environ["TRITON_INTERPRET"] = "1"
+    import flashattn.decode_kernels
+    import flashattn.forward
+
+    if type(flashattn.decode_kernels._decode_split_kernel).__name__ != "InterpretedFunction":
+        importlib.reload(flashattn.forward)
+        importlib.reload(flashattn.decode_kernels)
+
+import flashattn.decode_kernels  # noqa: E402
+from flashattn import reference  # noqa: E402
+from flashattn.decode import attention_with_kvcache  # noqa: E402
+from flashattn.testing import assert_close_ratio  # noqa: E402
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+cpu_only = pytest.mark.skipif(HAS_CUDA, reason="interpreter variant; the GPU runs the gpu-marked tests")
+DTYPES = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+
+
+def _make(b, n_q, h_q, h_kv, d, m, n_new, dtype, *, seed=0, std=1.0, q_layout="bnhd", pages=None):
+    """q, k_cache, v_cache, k_new, v_new on DEVICE; the cache paged into ``pages`` slots when given.
+
+    ``q_layout="bhnd"`` gives q as a transposed view of (B, Hq, Nq, D) storage (not contiguous).
+    """
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, dtype=dtype, device=DEVICE, generator=gen) * std
+
+    q = rand(b, h_q, n_q, d).transpose(1, 2) if q_layout == "bhnd" else rand(b, n_q, h_q, d)
+    cache_shape = (b, m, h_kv, d) if pages is None else pages
+    k_cache, v_cache = rand(*cache_shape), rand(*cache_shape)
+    k_new = rand(b, n_new, h_kv, d) if n_new else None
+    v_new = rand(b, n_new, h_kv, d) if n_new else None
+    return q, k_cache, v_cache, k_new, v_new
+
+
+def _check(q, k_cache, v_cache, seqlens, k_new, v_new, causal, *, block_table=None, num_splits=None, scale=None,
+           floor=1e-5):
+    """Call the kernels, compare o, lse and the appended caches with the references; return (o, lse)."""
+    lengths = torch.as_tensor(seqlens, dtype=torch.int32).expand(q.shape[0]) if isinstance(seqlens, int) else seqlens
+    up = (lambda x: None if x is None else x.double())
+    ref = reference.kvcache_attention_reference(up(q), up(k_cache), up(v_cache), lengths.cpu() if HAS_CUDA else lengths,
+                                                up(k_new), up(v_new), causal, scale, block_table)
+    lowp = reference.kvcache_attention_reference(q, k_cache, v_cache, lengths, k_new, v_new, causal, scale, block_table)
+    o, lse = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k_new=k_new, v_new=v_new,
+                                    causal=causal, scale=scale, block_table=block_table, num_splits=num_splits,
+                                    return_lse=True)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    assert_close_ratio("o", o, ref[0], lowp[0], floor=floor)
+    assert_close_ratio("lse", lse, ref[1], lowp[1], floor=floor)
+    # the append happened in place, and wrote exactly what the row-by-row reference writes
+    assert torch.equal(k_cache, ref[2].to(q.dtype)) and torch.equal(v_cache, ref[3].to(q.dtype))
+    empty = torch.isinf(ref[1])  # (B, Hq, Nq): rows with no visible key
+    assert (o.transpose(1, 2)[empty] == 0).all() and (lse[empty] == float("-inf")).all()
+    return o, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Interpreter tests
+# ----------------------------------------------------------------------------------------------
+
+# (B, Nq, Hq, Hkv, D, Mmax, Nnew, cache_seqlens, causal, q_layout)
+CASES = [
+    (3, 1, 4, 4, 64, 40, 1, [0, 17, 39], True, "bnhd"),  # MHA (group 1), one query, lengths 1 / 18 / full
+    (3, 1, 4, 2, 40, 40, 0, [0, 23, 40], False, "bnhd"),  # group 2, D = 40, an empty and a full sequence
+    (2, 3, 8, 2, 72, 45, 3, [5, 42], True, "bhnd"),  # group 4, three queries (12 packed rows), D = 72, q transposed
+    (2, 3, 8, 2, 72, 45, 3, [5, 42], False, "bnhd"),
+    (2, 6, 4, 1, 64, 30, 0, [3, 30], True, "bhnd"),  # MQA, 6 queries: 24 rows, 2 tiles; causal rows with no key
+    (2, 2, 4, 1, 40, 20, 2, [0, 18], False, "bnhd"),  # MQA; a sequence whose only keys are the appended ones
+]
+
+
+def _case_id(c):
+    return "B{}-Nq{}-H{}x{}-D{}-M{}-new{}-{}-{}".format(*c[:7], "causal" if c[8] else "full", c[9])
+
+
+@cpu_only
+@DTYPES
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_interpreter_matches_float64(case, dtype):
+    b, n_q, h_q, h_kv, d, m, n_new, seqlens, causal, q_layout = case
+    q, k_cache, v_cache, k_new, v_new = _make(b, n_q, h_q, h_kv, d, m, n_new, dtype, q_layout=q_layout)
+    assert q.is_contiguous() == (q_layout == "bnhd")
+    _check(q, k_cache, v_cache, torch.tensor(seqlens, dtype=torch.int32), k_new, v_new, causal)
+
+
+def _shuffled_pages(b, capacity_pages, page_size, h_kv, d, dtype, seed):
+    """A block table that is a random permutation of the pages, and unused entries set to -1."""
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = b * capacity_pages + 3  # a few pages no sequence owns
+    table = torch.randperm(num_pages, generator=gen)[: b * capacity_pages].view(b, capacity_pages).to(torch.int32)
+    return table, (num_pages, page_size, h_kv, d)
+
+
+@cpu_only
+@DTYPES
+@pytest.mark.parametrize("page_size", [16, 5], ids=["page16", "page5"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_interpreter_paged_cache_with_shuffled_pages(page_size, causal, dtype):
+    """Pages in random order; with 5-slot pages every 16-key block spans several pages."""
+    b, n_q, h_q, h_kv, d, n_new = 3, 2, 4, 2, 40, 2
+    capacity_pages = 48 // page_size + 1
+    table, pages = _shuffled_pages(b, capacity_pages, page_size, h_kv, d, dtype, seed=page_size)
+    seqlens = torch.tensor([0, 19, capacity_pages * page_size - n_new], dtype=torch.int32)
+    table[1, 5 if page_size == 5 else 2:] = -1  # entries past sequence 1's pages are never used
+    q, k_cache, v_cache, k_new, v_new = _make(b, n_q, h_q, h_kv, d, 0, n_new, dtype, pages=pages, seed=1)
+    _check(q, k_cache, v_cache, seqlens, k_new, v_new, causal, block_table=table)
+
+
+@cpu_only
+@pytest.mark.parametrize("num_splits", [1, 2, 9], ids=["direct", "2", "9-mostly-empty"])
+def test_interpreter_splits_and_poisoned_scratch(num_splits, monkeypatch):
+    """One split writes the output directly; 9 splits of 3 blocks leave most splits without keys.
+
+    The scratch is handed out filled with NaN: a merge that read an empty partial's output (never
+    written) would return NaN.
+    """
+    def poisoned(shape, device):
+        return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+
+    monkeypatch.setattr(flashattn.decode_kernels, "_scratch", poisoned)
+    q, k_cache, v_cache, k_new, v_new = _make(2, 2, 4, 2, 32, 48, 1, torch.float16, seed=4)
+    _check(q, k_cache, v_cache, torch.tensor([40, 0], dtype=torch.int32), k_new, v_new, True, num_splits=num_splits)
+
+
+@cpu_only
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_interpreter_large_logits(causal):
+    """scale * q.k up to about 100: exp overflows unless every split and the merge subtract their max."""
+    q, k_cache, v_cache, _, _ = _make(2, 2, 4, 2, 32, 40, 0, torch.float16, std=4.5, seed=3)
+    s = (q[:, :, :1].double() @ k_cache[:, :, 0].double().transpose(-1, -2)) * 32 ** -0.5
+    assert s.abs().max() > 60, "inputs do not produce large logits"
+    _check(q, k_cache, v_cache, torch.tensor([33, 40], dtype=torch.int32), None, None, causal)
+
+
+@cpu_only
+def test_interpreter_int_seqlens_custom_scale_and_strided_cache():
+    """cache_seqlens as a Python int; a cache that is a slice of a larger head buffer (not contiguous)."""
+    gen = torch.Generator().manual_seed(9)
+    big_k = torch.randn(2, 30, 5, 24, dtype=torch.float16, generator=gen)
+    big_v = torch.randn(2, 30, 5, 24, dtype=torch.float16, generator=gen)
+    k_cache, v_cache = big_k[:, :, 1:3], big_v[:, :, 1:3]
+    assert not k_cache.is_contiguous()
+    q = torch.randn(2, 1, 4, 24, dtype=torch.float16, generator=gen)
+    k_new = torch.randn(2, 2, 2, 24, dtype=torch.float16, generator=gen)
+    v_new = torch.randn(2, 2, 2, 24, dtype=torch.float16, generator=gen)
+    outside = big_k[:, :, [0, 3, 4]].clone()
+    _check(q, k_cache, v_cache, 21, k_new, v_new, True, scale=0.31)
+    assert torch.equal(big_k[:, :, [0, 3, 4]], outside)  # the append wrote only its own heads
+
+
+@cpu_only
+def test_interpreter_public_call_runs_the_kernels(monkeypatch):
+    calls = []
+    real = flashattn.decode_kernels.decode_forward
+    monkeypatch.setattr(flashattn.decode_kernels, "decode_forward", lambda *a: calls.append(1) or real(*a))
+    q, k_cache, v_cache, _, _ = _make(1, 1, 2, 1, 16, 20, 0, torch.float16)
+    out = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([20], dtype=torch.int32))
+    assert calls == [1] and out.shape == q.shape
+
+
+def test_cpu_float_inputs_run_the_reference():
+    """float32/float64 on the CPU take the PyTorch reference path, append included."""
+    q, k_cache, v_cache, k_new, v_new = (x.double() for x in _make(2, 2, 4, 2, 16, 12, 1, torch.float32, seed=5))
+    if HAS_CUDA:
+        q, k_cache, v_cache, k_new, v_new = (x.cpu() for x in (q, k_cache, v_cache, k_new, v_new))
+    seqlens = torch.tensor([0, 11], dtype=torch.int32)
+    o_ref, lse_ref, k_ref, v_ref = reference.kvcache_attention_reference(q, k_cache, v_cache, seqlens, k_new, v_new)
+    o, lse = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k_new=k_new, v_new=v_new,
+                                    return_lse=True)
+    assert torch.allclose(o, o_ref, atol=1e-12) and torch.equal(lse.isinf(), lse_ref.isinf())
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+# ----------------------------------------------------------------------------------------------
+# The references: split + merge equals attention over all keys; the merge has teeth.
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_split_and_merge_reference_equals_the_definition(causal):
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 3, 4, 16, dtype=torch.float64, generator=gen)
+    k = torch.randn(3, 40, 2, 16, dtype=torch.float64, generator=gen)
+    v = torch.randn(3, 40, 2, 16, dtype=torch.float64, generator=gen)
+    seqlens = torch.tensor([0, 2, 40], dtype=torch.int32)  # length 2 < Nq: causal rows with no key
+    o, lse, _, _ = reference.kvcache_attention_reference(q, k, v, seqlens, causal=causal)
+    for n_splits, block_n in ((1, 16), (3, 8), (4, 16), (50, 4)):  # (4, 16) and (50, 4) have empty splits
+        o_s, lse_s = reference.split_kv_attention_reference(q, k, v, seqlens, n_splits, block_n, causal)
+        assert torch.allclose(o_s, o, atol=1e-12, rtol=0)
+        assert torch.equal(torch.isinf(lse_s), torch.isinf(lse)) and not torch.isnan(lse_s).any()
+        finite = torch.isfinite(lse)
+        assert torch.allclose(lse_s[finite], lse[finite], atol=1e-12, rtol=0)
+
+
+def test_merge_weights_by_softmax_mass_not_by_count():
+    """Negative control: averaging the partial outputs (a plausible wrong merge) misses the answer."""
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(4, 1, 16, dtype=torch.float64, generator=gen)
+    k = torch.randn(2, 30, 16, dtype=torch.float64, generator=gen) * 2
+    v = torch.randn(2, 30, 16, dtype=torch.float64, generator=gen)
+    o_parts, lse_parts = reference.split_kv_partials(q, k, v, 3, 8, causal=False)
+    o, _ = reference.merge_partials(o_parts, lse_parts)
+    truth = torch.softmax(q.view(2, 2, 1, 16) @ k[:, None].transpose(-1, -2) / 4, dim=-1) @ v[:, None]
+    assert torch.allclose(o, truth.view(4, 1, 16), atol=1e-12)
+    assert not torch.allclose(o_parts.mean(dim=0), truth.view(4, 1, 16), atol=1e-3)
+
+
+def test_merge_of_empty_partials_is_zero_not_nan():
+    o_parts = torch.full((3, 2, 1, 4), float("nan"), dtype=torch.float64)  # never written
+    o_parts[1, 0] = 1.5
+    lse_parts = torch.full((3, 2, 1), float("-inf"), dtype=torch.float64)
+    lse_parts[1, 0] = 0.25
+    o, lse = reference.merge_partials(o_parts, lse_parts)
+    assert torch.equal(o[0], torch.full((1, 4), 1.5, dtype=torch.float64)) and lse[0].item() == 0.25
+    assert torch.equal(o[1], torch.zeros(1, 4, dtype=torch.float64)) and lse[1].item() == float("-inf")
+
+
+def test_split_range_deals_whole_blocks_and_covers_every_key():
+    for seq_len in (0, 1, 15, 16, 17, 100):
+        for n_splits in (1, 2, 3, 7):
+            covered = []
+            for s in range(n_splits):
+                lo, hi = reference.decode_split_range(s, n_splits, seq_len, 16)
+                assert lo % 16 == 0
+                covered += range(lo, min(hi, seq_len))
+            assert covered == list(range(seq_len))
+
+
+def test_number_of_splits_follows_the_grid_and_the_keys(monkeypatch):
+    """The GPU heuristic (run here on a pretend 132-SM device): split until ~4 programs per SM, at most
+    one split per 4 key blocks, at most MAX_SPLITS, and never below 1."""
+    dk = flashattn.decode_kernels
+    monkeypatch.setattr(dk._config, "is_interpreter", lambda: False)
+    monkeypatch.setattr(dk._config, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert dk.choose_num_splits(16 * 8, 8192, 64, cuda) == 5  # 128 programs: 5 splits fill 4 x 132
+    assert dk.choose_num_splits(16 * 8, 1024, 64, cuda) == 4  # 16 key blocks: 4 splits of 4
+    assert dk.choose_num_splits(16 * 8, 100, 64, cuda) == 1  # too short to split
+    assert dk.choose_num_splits(1, 1 << 20, 64, cuda) == dk.MAX_SPLITS
+    assert dk.choose_num_splits(4096, 1 << 20, 64, cuda) == 1  # the grid alone fills the GPU
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: every bad input raises before anything is written or launched.
+# ----------------------------------------------------------------------------------------------
+
+def _args(**over):
+    gen = torch.Generator().manual_seed(0)
+    args = dict(
+        q=torch.randn(2, 1, 4, 16, dtype=torch.float16, generator=gen),
+        k_cache=torch.randn(2, 10, 2, 16, dtype=torch.float16, generator=gen),
+        v_cache=torch.randn(2, 10, 2, 16, dtype=torch.float16, generator=gen),
+        cache_seqlens=torch.tensor([3, 9], dtype=torch.int32),
+    )
+    args.update(over)
+    return args
+
+
+def _paged(**over):
+    cache = torch.zeros(4, 8, 2, 16, dtype=torch.float16)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    return _args(**{"k_cache": cache, "v_cache": cache.clone(), "block_table": table, **over})
+
+
+_new = torch.zeros(2, 2, 2, 16, dtype=torch.float16)
+BAD = [
+    ("q not a tensor", _args(q=[1.0]), TypeError, ["q", "torch.Tensor"]),
+    ("q rank 3", _args(q=torch.zeros(2, 4, 16, dtype=torch.float16)), ValueError, ["q", "(B, Nq, Hq, D)"]),
+    ("k_cache rank", _args(k_cache=torch.zeros(2, 10, 16, dtype=torch.float16)), ValueError, ["k_cache", "4-D"]),
+    ("integer q", _args(q=torch.zeros(2, 1, 4, 16, dtype=torch.int32)), TypeError, ["q", "floating"]),
+    ("dtype mismatch", _args(v_cache=torch.zeros(2, 10, 2, 16)), TypeError, ["v_cache", "dtype"]),
+    ("device mismatch", _args(k_cache=torch.zeros(2, 10, 2, 16, dtype=torch.float16, device="meta")),
+     ValueError, ["k_cache", "device"]),
+    ("k/v shapes", _args(v_cache=torch.zeros(2, 9, 2, 16, dtype=torch.float16)), ValueError, ["k_cache", "v_cache", "shape"]),
+    ("head dim mismatch", _args(q=torch.zeros(2, 1, 4, 32, dtype=torch.float16)), ValueError, ["head dim"]),
+    ("head dim small", _args(q=torch.zeros(2, 1, 4, 8, dtype=torch.float16), k_cache=torch.zeros(2, 10, 2, 8, dtype=torch.float16),
+                             v_cache=torch.zeros(2, 10, 2, 8, dtype=torch.float16)), ValueError, ["head dim", "16", "256"]),
+    ("GQA not divisible", _args(q=torch.zeros(2, 1, 3, 16, dtype=torch.float16)), ValueError, ["query heads", "multiple"]),
+    ("batch mismatch", _args(q=torch.zeros(3, 1, 4, 16, dtype=torch.float16)), ValueError, ["batch"]),
+    ("no queries", _args(q=torch.zeros(2, 0, 4, 16, dtype=torch.float16)), ValueError, ["q", "query"]),
+    ("seqlens int64", _args(cache_seqlens=torch.tensor([3, 9])), TypeError, ["cache_seqlens", "int32"]),
+    ("seqlens shape", _args(cache_seqlens=torch.tensor([3], dtype=torch.int32)), ValueError, ["cache_seqlens", "(B,)"]),
+    ("seqlens float", _args(cache_seqlens=3.0), TypeError, ["cache_seqlens"]),
+    ("seqlens bool", _args(cache_seqlens=True), TypeError, ["cache_seqlens"]),
+    ("seqlens device", _args(cache_seqlens=torch.tensor([3, 9], dtype=torch.int32, device="meta")),
+     ValueError, ["cache_seqlens", "device"]),
+    ("seqlens negative", _args(cache_seqlens=torch.tensor([-1, 9], dtype=torch.int32)), ValueError, ["cache_seqlens", "negative"]),
+    ("over capacity", _args(cache_seqlens=torch.tensor([3, 11], dtype=torch.int32)), ValueError, ["capacity", "10"]),
+    ("append over capacity", _args(cache_seqlens=torch.tensor([3, 9], dtype=torch.int32), k_new=_new, v_new=_new),
+     ValueError, ["capacity", "Nnew"]),
+    ("int over capacity", _args(cache_seqlens=9, k_new=_new, v_new=_new), ValueError, ["cache_seqlens", "capacity"]),
+    ("k_new alone", _args(k_new=_new), ValueError, ["k_new", "v_new"]),
+    ("k_new shape", _args(k_new=torch.zeros(2, 2, 1, 16, dtype=torch.float16), v_new=torch.zeros(2, 2, 1, 16, dtype=torch.float16)),
+     ValueError, ["k_new", "(B, Nnew, Hkv, D)"]),
+    ("k_new dtype", _args(k_new=_new.float(), v_new=_new.float()), TypeError, ["k_new", "dtype"]),
+    ("k/v_new shapes", _args(k_new=_new, v_new=_new[:, :1]), ValueError, ["k_new", "v_new", "shape"]),
+    ("causal not bool", _args(causal=1), TypeError, ["causal", "bool"]),
+    ("return_lse not bool", _args(return_lse=None), TypeError, ["return_lse"]),
+    ("scale NaN", _args(scale=float("nan")), ValueError, ["scale"]),
+    ("scale negative", _args(scale=-1.0), ValueError, ["scale", "non-negative"]),
+    ("scale tensor", _args(scale=torch.tensor(0.5)), TypeError, ["scale"]),
+    ("num_splits 0", _args(num_splits=0), ValueError, ["num_splits"]),
+    ("num_splits float", _args(num_splits=2.0), TypeError, ["num_splits"]),
+    ("table int64", _paged(block_table=torch.tensor([[0, 1], [2, 3]])), TypeError, ["block_table", "int32"]),
+    ("table rank", _paged(block_table=torch.tensor([0, 1, 2, 3], dtype=torch.int32)), ValueError, ["block_table", "2-D"]),
+    ("table rows", _paged(block_table=torch.tensor([[0, 1]], dtype=torch.int32)), ValueError, ["block_table", "B = 2"]),
+    ("table page out of range", _paged(block_table=torch.tensor([[0, 1], [2, 4]], dtype=torch.int32)),
+     ValueError, ["block_table", "[0, 4)"]),
+    ("table negative page", _paged(block_table=torch.tensor([[-1, 1], [2, 3]], dtype=torch.int32)),
+     ValueError, ["block_table", "outside"]),
+    ("paged over capacity", _paged(cache_seqlens=torch.tensor([3, 17], dtype=torch.int32)), ValueError, ["capacity", "16"]),
+    ("grad", _args(q=torch.zeros(2, 1, 4, 16, dtype=torch.float16, requires_grad=True)), ValueError, ["forward only", "q"]),
+    ("complex", _args(q=torch.zeros(2, 1, 4, 16, dtype=torch.complex64)), TypeError, ["q", "floating"]),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,words", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_bad_input_raises_a_clear_error_and_writes_nothing(kwargs, exc, words):
+    caches = [(x, x.clone()) for x in (kwargs["k_cache"], kwargs["v_cache"]) if x.device.type != "meta"]
+    with pytest.raises(exc) as info:
+        attention_with_kvcache(**kwargs)
+    for word in words:
+        assert word in str(info.value), f"message {str(info.value)!r} does not name {word!r}"
+    for after, before in caches:
+        assert torch.equal(before, after)
+
+
+def test_good_paged_input_with_unused_negative_entries_is_accepted():
+    kwargs = _paged(cache_seqlens=torch.tensor([3, 9], dtype=torch.int32))
+    kwargs["block_table"][0, 1] = -1  # sequence 0 uses one page only
+    with torch.no_grad():
+        assert attention_with_kvcache(**kwargs).shape == kwargs["q"].shape
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU tests: realistic decoding shapes against float64 per sequence.
+# ----------------------------------------------------------------------------------------------
+
+def _ragged(b, top, gen):
+    lengths = torch.randint(1, top + 1, (b,), generator=gen, dtype=torch.int32)
+    lengths[0], lengths[-1] = 0, top  # an empty sequence and one at full capacity
+    return lengths
+
+
+# (B, Nq, Hq, Hkv, D, Mmax, Nnew, causal, num_splits)
+GPU_CASES = [
+    (16, 1, 32, 8, 128, 8192, 1, True, None),  # the decoding shape of the issue
+    (16, 1, 32, 8, 128, 8192, 0, False, 1),  # one split: the direct path at full size
+    (8, 4, 32, 8, 128, 4096, 4, True, None),  # a 4-query chunk: 16 packed rows
+    (4, 1, 16, 16, 64, 16384, 1, True, None),  # MHA
+    (4, 2, 8, 1, 256, 4096, 2, True, None),  # MQA, D = 256
+    (4, 1, 28, 4, 72, 3000, 1, False, 7),  # group 7, D = 72, ragged blocks
+]
+
+
+@gpu
+@needs_cuda
+@DTYPES
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "B{}-Nq{}-H{}x{}-D{}-M{}-new{}-{}-s{}".format(
+    *c[:7], "causal" if c[7] else "full", c[8]))
+def test_gpu_matches_float64(case, dtype):
+    b, n_q, h_q, h_kv, d, m, n_new, causal, num_splits = case
+    gen = torch.Generator().manual_seed(b * m + n_q)
+    q, k_cache, v_cache, k_new, v_new = _make(b, n_q, h_q, h_kv, d, m, n_new, dtype, seed=3)
+    seqlens = _ragged(b, m - n_new, gen).to(DEVICE)
+    _check(q, k_cache, v_cache, seqlens, k_new, v_new, causal, num_splits=num_splits)
+
+
+@gpu
+@needs_cuda
+@DTYPES
+@pytest.mark.parametrize("page_size", [256, 16], ids=["page256", "page16"])
+def test_gpu_paged_cache_matches_float64(page_size, dtype):
+    b, n_q, h_q, h_kv, d, n_new = 16, 1, 32, 8, 128, 1
+    capacity_pages = 8192 // page_size
+    gen = torch.Generator().manual_seed(page_size)
+    table, pages = _shuffled_pages(b, capacity_pages, page_size, h_kv, d, dtype, seed=page_size)
+    q, k_cache, v_cache, k_new, v_new = _make(b, n_q, h_q, h_kv, d, 0, n_new, dtype, pages=pages, seed=5)
+    seqlens = _ragged(b, capacity_pages * page_size - n_new, gen).to(DEVICE)
+    _check(q, k_cache, v_cache, seqlens, k_new, v_new, True, block_table=table.to(DEVICE))
+
+
+@gpu
+@needs_cuda
+def test_gpu_large_logits_and_poisoned_scratch(monkeypatch):
+    def poisoned(shape, device):
+        return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+
+    monkeypatch.setattr(flashattn.decode_kernels, "_scratch", poisoned)
+    q, k_cache, v_cache, _, _ = _make(8, 1, 32, 8, 128, 4096, 0, torch.bfloat16, std=4.5, seed=8)
+    s = (q[:, :, :1].float() @ k_cache[:, :, 0].float().transpose(-1, -2)) * 128 ** -0.5
+    assert s.abs().max() > 60, "inputs do not produce large logits"
+    seqlens = torch.tensor([0, 1, 63, 64, 65, 1000, 4095, 4096], dtype=torch.int32, device=DEVICE)
+    _check(q, k_cache, v_cache, seqlens, None, None, True, num_splits=16)
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark's report (its timing needs a GPU: python -m benchmarks.decode --out DIR).
+# ----------------------------------------------------------------------------------------------
+
+def test_benchmark_table_reports_ratio_bandwidth_and_wrong_results(tmp_path, monkeypatch):
+    from benchmarks import decode as bench
+
+    def row(provider, us, passed=True, status="ok"):
+        return {"M": 8192, "Nq": 1, "provider": provider, "status": status, "us": us, "copy_fraction": 0.5,
+                "check": {"passed": passed}, "gqa": "enable_gqa", "layout": "view"}
+
+    result = {"what": "test", "device": "none", "versions": {"torch": "x", "triton": "y"}, "copy_bandwidth_gbps": 4000,
+              "rows": [row("flashattn", 100.0), row("sdpa_flash", 150.0), row("sdpa_cudnn", 120.0, passed=False),
+                       {"M": 8192, "Nq": 1, "provider": "flex", "status": "error", "error": "boom"}]}
+    table = bench.markdown(result)
+    assert "| 8192 | 1 | 100 | 150 | 120 (WRONG) | error | 1.20x | 50% |" in table
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--out", str(tmp_path)]) == 2
