@@ -56,8 +56,11 @@ def device_fn(fn):
     return jitted
 
 
-for _name in ("fwd_first_masked_key", "fwd_end_visible_key", "bwd_first_seeing_query", "bwd_first_full_query"):
-    device_fn(getattr(schedule, _name))
+fwd_first_masked_key = device_fn(schedule.fwd_first_masked_key)
+fwd_end_visible_key = device_fn(schedule.fwd_end_visible_key)
+bwd_first_seeing_query = device_fn(schedule.bwd_first_seeing_query)
+bwd_first_full_query = device_fn(schedule.bwd_first_full_query)
+clamp = _clamp
 visible = device_fn(schedule.visible)
 forward_key_range = device_fn(schedule.forward_key_range)
 dq_key_range = device_fn(schedule.dq_key_range)

@@ -30,8 +30,12 @@ import triton
 import triton.language as tl
 
 from flashattn import _config, reference
-from flashattn.forward import (LN2, LOG2E, _clamp, _fwd_end_visible_key, _fwd_first_masked_key, _head_dim_block,
-                               _interpreter_needs_float32, device_fn)
+from flashattn._triton import LN2, LOG2E, device_fn
+from flashattn._triton import clamp as _clamp
+from flashattn._triton import fwd_end_visible_key as _fwd_end_visible_key
+from flashattn._triton import fwd_first_masked_key as _fwd_first_masked_key
+from flashattn._triton import interpreter_needs_float32 as _interpreter_needs_float32
+from flashattn.problem import head_dim_block as _head_dim_block
 
 _decode_split_range = device_fn(reference.decode_split_range)
 
@@ -339,7 +343,7 @@ def decode_forward(q, k_cache, v_cache, seq_lens, n_new: int, block_table, causa
             block_table.stride(0) if paged else 0, *o.stride(),
             h_kv, n_q, n_new, num_splits, scale * LOG2E.value,
             GROUP=group, PAGE_SIZE=k_cache.shape[1] if paged else 0, CAUSAL=causal, DIRECT=direct,
-            HEAD_DIM=d, BLOCK_D=block_d, **cfg.launch_kwargs(),
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.options(),
         )
         if not direct:
             _decode_merge_kernel[(batch * h_kv, tiles)](

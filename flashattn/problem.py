@@ -16,6 +16,11 @@ import torch
 from flashattn.constants import LOG2E
 
 
+def head_dim_block(head_dim: int) -> int:
+    """The head dim padded to a power of two of at least 16, as tl.dot and tl.arange need."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
 @dataclass(frozen=True)
 class Problem:
     batch: int  # B
@@ -47,5 +52,5 @@ class Problem:
 
     @property
     def block_d(self) -> int:
-        """The head dim padded to a power of two of at least 16, as tl.dot and tl.arange need."""
-        return max(16, 1 << (self.head_dim - 1).bit_length())
+        """The head dim padded to a power of two of at least 16 (:func:`head_dim_block`)."""
+        return head_dim_block(self.head_dim)

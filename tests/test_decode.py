@@ -9,23 +9,10 @@ the ``gpu`` tests run realistic decoding shapes. Every result is compared with t
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-
-if not HAS_CUDA:
-    # As in test_kernels.py: the interpreter must be on before triton.jit sees the kernels.
-    os.environ["TRITON_INTERPRET"] = "1"
-    import flashattn.decode_kernels
-    import flashattn.forward
-
-    if type(flashattn.decode_kernels._decode_split_kernel).__name__ != "InterpretedFunction":
-        importlib.reload(flashattn.forward)
-        importlib.reload(flashattn.decode_kernels)
+HAS_CUDA = torch.cuda.is_available()  # without CUDA, tests/conftest.py turned the interpreter on
 
 import flashattn.decode_kernels  # noqa: E402
 from flashattn import reference  # noqa: E402
