@@ -27,6 +27,7 @@ MODULES = (
     "causal_masking",
     "cost_model",
     "dropout",
+    "merge",
 )
 
 
