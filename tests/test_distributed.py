@@ -69,6 +69,7 @@ def _run_attention(case: dict, rank: int, world: int, group=None) -> dict:
     full = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     o_ref, lse_ref = naive_attention(*full, case["causal"], scale)
     o_ref.backward(do)
+    # --8<-- [start:usage]
     shard = lambda x, dim=-2: fd.shard_sequence(x, rank, world, layout=case["layout"], dim=dim)  # noqa: E731
     local = [shard(x) for x in (q, k, v)]
     if case.get("strided"):  # keep the (B, N, H, D) storage of the inputs
@@ -77,6 +78,7 @@ def _run_attention(case: dict, rank: int, world: int, group=None) -> dict:
     o, lse = fd.ring_attention(*local, group=group, causal=case["causal"], scale=scale, layout=case["layout"],
                                return_lse=True)
     o.backward(shard(do))
+    # --8<-- [end:usage]
     errors = {"o": (o, shard(o_ref)), "lse": (lse, shard(lse_ref, dim=-1))}
     errors.update({name: (x.grad, shard(ref.grad)) for name, x, ref in zip(("dq", "dk", "dv"), local, full)})
     return {name: _max_err(got, want) for name, (got, want) in errors.items()}
@@ -460,3 +462,45 @@ def test_ring_attention_nccl_matches_single_gpu_kernels(dtype):
             if not err_ring <= 3.0 * err_single + 1e-4:
                 problems.append(f"{name} rank {rank} {what}: ring {err_ring:.3e} vs single GPU {err_single:.3e}")
     assert not problems, "\n".join(problems)
+
+
+# --------------------------------------------------------------------------------------------------
+# the scaling benchmark's harness (the GPU run itself is not a test)
+# --------------------------------------------------------------------------------------------------
+def test_benchmark_arguments():
+    from benchmarks import ring as bench
+
+    args = bench.parse_args(["--out", "x.json", "--heads", "8", "--kv-heads", "2"])
+    assert args.lengths == bench.DEFAULT_LENGTHS and (args.heads, args.kv_heads, args.dtype) == (8, 2, "bfloat16")
+    for bad in (["--heads", "6", "--kv-heads", "4"], ["--head-dim", "0"], ["--lengths", "1"], []):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad if not bad or bad[0] == "--out" else ["--out", "x.json", *bad])
+    # The causal baseline does the ring's visible pairs per GPU (to within the rounding to 128).
+    for n, world in ((65536, 2), (1 << 20, 4)):
+        rows, cols = bench.baseline_shape(n, world, True)
+        assert abs(rows * cols / 2 - n * n / 2 / world) / (n * n / 2 / world) < 0.01
+        assert bench.baseline_shape(n, world, False) == (n // world, n)
+
+
+def test_benchmark_dry_run_with_two_processes(tmp_path):
+    """``torchrun --nproc-per-node 2 -m benchmarks.ring --dry-run``: gloo, CPU, every row measured."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "ring.json"
+    env = {**os.environ, "PYTHONPATH": str(root), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                           "-m", "benchmarks.ring", "--dry-run", "--out", str(out)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    assert payload["environment"]["world_size"] == 2 and payload["environment"]["backend"] == "gloo"
+    assert [(r["n"], r["causal"]) for r in payload["rows"]] == [(64, False), (64, True), (128, False), (128, True)]
+    for row in payload["rows"]:
+        ring = row["ring"]
+        assert ring["fwd_ms"] > 0 and ring["fwd_bwd_ms"] > 0 and len(ring["compute_ms_per_rank"]) == 2
+        assert ring["fwd_tflops_per_gpu"] > 0 and ring["balance"] >= 0
