@@ -4,7 +4,7 @@
 CUDA tensor (or, under ``TRITON_INTERPRET=1``, a CPU tensor) reaches :func:`attention`.
 """
 
-from flashattn import reference, schedule
+from flashattn import distributed, reference, schedule
 from flashattn.api import attention, flash_attn_func
 
 __all__ = ["attention", "flash_attn_func", "reference", "schedule"]
