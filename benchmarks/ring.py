@@ -307,7 +307,8 @@ def run(args) -> dict:
                "methods": {"timing": TIMING_HOW.format(warmup=args.warmup, reps=args.reps), "baseline": BASELINE_HOW,
                            "flops": "flashattn.cost.attention_flops over the full sequence, / world size per GPU; "
                                     "fwd_bwd = 3.5 x fwd",
-                           "balance": "(max - min) / mean over ranks of each rank's ring-step compute alone"},
+                           "balance": "(max - min) / mean over ranks of the time of each rank's ring-step forward calls "
+                                      "alone (its own K/V standing in for the others', no communication)"},
                "rows": []}
     try:
         for n in args.lengths:
