@@ -31,6 +31,7 @@ MODULES = (
     "cost_model",
     "io_complexity",
     "backward_precision",
+    "merge",
 )
 
 

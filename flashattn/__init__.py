@@ -4,9 +4,9 @@
 CUDA tensor (or, under ``TRITON_INTERPRET=1``, a CPU tensor) reaches :func:`attention`.
 """
 
-from flashattn import reference, schedule
+from flashattn import distributed, reference, schedule
 from flashattn.api import attention, flash_attn_func
 from flashattn.decode import attention_with_kvcache
 
-__all__ = ["attention", "attention_with_kvcache", "flash_attn_func", "reference", "schedule"]
+__all__ = ["attention", "attention_with_kvcache", "distributed", "flash_attn_func", "reference", "schedule"]
 __version__ = "0.1.0"

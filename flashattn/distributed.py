@@ -1,0 +1,330 @@
+"""Context-parallel attention over ``torch.distributed``: ring attention.
+
+The sequence is cut into P shards, one per rank of a process group. Every rank keeps its query shard
+and passes its key/value shard around the ring (rank r sends to r + 1 and receives from r - 1), so
+after P steps every query shard has met every key/value shard. Each step runs the single-device
+attention on the pair in hand while the next key/value shard is already on the wire, and the partial
+results are merged through their log-sum-exp, which is exact (the merge derivation,
+``derivations/merge.py``).
+
+The backward sends the key/value shards around again. Every partial gradient is computed with the
+*global* output O and the *global* LSE, so D = rowsum(dO * O) and the recomputed P are those of the
+full row and the partial gradients simply add: dQ stays home, and each dK/dV accumulator travels with
+its key/value shard and arrives back at its owner after the last step.
+
+Causal attention with contiguous shards leaves rank 0 almost idle and rank P - 1 doing P times its
+work. The zig-zag layout cuts the sequence into 2P chunks and gives rank r the chunks r and
+2P - 1 - r; every rank then does the same work at every step (see :func:`ring_step`).
+
+The attention math itself is the package's single-device forward and backward; this module adds
+only the schedule, the communication and the merge.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from flashattn.api import _check_inputs
+from flashattn.autograd import backend
+from flashattn.ops import use_kernels
+from flashattn.problem import Problem
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+# --------------------------------------------------------------------------------------------------
+# the local attention (the only two functions that know how the package computes attention)
+# --------------------------------------------------------------------------------------------------
+def _local_forward(q, k, v, causal: bool, scale: float):
+    """Single-device attention of one query shard against one key/value shard: ``(o, lse)``."""
+    forward, _ = backend(use_kernels(q))
+    return forward(q, k, v, Problem.of(q, k, causal, scale))
+
+
+def _local_backward(do, q, k, v, o, lse, causal: bool, scale: float):
+    """Single-device backward of one shard pair, given the *global* o and lse: ``(dq, dk, dv)``."""
+    _, backward = backend(use_kernels(q))
+    return backward(do, q, k, v, o, lse, Problem.of(q, k, causal, scale))
+
+
+# --------------------------------------------------------------------------------------------------
+# layouts: which part of the sequence each rank holds
+# --------------------------------------------------------------------------------------------------
+def _check_layout(layout) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _chunks(n: int, world_size: int, layout: str, what: str) -> int:
+    """Length of one chunk; raises when the sequence does not split evenly."""
+    parts = world_size * (2 if layout == "zigzag" else 1)
+    if n % parts:
+        raise ValueError(
+            f"the sequence length N of {what} ({n}) must be divisible by "
+            f"{'2 * world_size' if layout == 'zigzag' else 'world_size'} = {parts} for layout={layout!r}; "
+            f"uneven shards are not supported (pad the sequence to a multiple of {parts} and mask the padding "
+            "yourself, or pick another length)"
+        )
+    return n // parts
+
+
+def chunk_ids(rank: int, world_size: int, layout: str = "zigzag") -> tuple[int, ...]:
+    """The chunks of the sequence that ``rank`` holds, in order: ``(r,)`` when contiguous (P chunks),
+    ``(r, 2P - 1 - r)`` for the zig-zag layout (2P chunks)."""
+    _check_layout(layout)
+    return (rank, 2 * world_size - 1 - rank) if layout == "zigzag" else (rank,)
+
+
+def shard_sequence(x: torch.Tensor, rank: int, world_size: int, *, layout: str = "zigzag", dim: int = -2):
+    """This rank's shard of a full sequence ``x`` (the sequence along ``dim``, by default N of (B, H, N, D)).
+
+    Every rank calls it on the same full tensor and gets its own part. Raises ``ValueError`` unless N is
+    divisible by ``world_size`` (contiguous) or ``2 * world_size`` (zig-zag).
+    """
+    _check_layout(layout)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size = {world_size}), got {rank}")
+    size = _chunks(x.shape[dim], world_size, layout, "x")
+    parts = [x.narrow(dim, c * size, size) for c in chunk_ids(rank, world_size, layout)]
+    return torch.cat(parts, dim=dim)
+
+
+def unshard_sequence(shards, *, layout: str = "zigzag", dim: int = -2) -> torch.Tensor:
+    """The inverse of :func:`shard_sequence`: the full sequence from the shards of ranks 0 .. P - 1."""
+    _check_layout(layout)
+    world_size = len(shards)
+    per_shard = len(chunk_ids(0, world_size, layout))
+    length = shards[0].shape[dim]
+    if length % per_shard:
+        raise ValueError(f"each shard must hold {per_shard} equal chunks for layout={layout!r}, got length {length}")
+    size = length // per_shard
+    chunks = [None] * (world_size * per_shard)
+    for rank, shard in enumerate(shards):
+        for i, c in enumerate(chunk_ids(rank, world_size, layout)):
+            chunks[c] = shard.narrow(dim, i * size, size)
+    return torch.cat(chunks, dim=dim)
+
+
+def gather_sequence(x: torch.Tensor, *, group=None, layout: str = "zigzag", dim: int = -2) -> torch.Tensor:
+    """All-gather every rank's shard and return the full sequence on every rank (no gradient)."""
+    shards = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, x.contiguous(), group=group)
+    return unshard_sequence(shards, layout=layout, dim=dim)
+
+
+# --------------------------------------------------------------------------------------------------
+# the schedule: what one ring step computes
+# --------------------------------------------------------------------------------------------------
+class RingStep(NamedTuple):
+    """One ring step: query rows ``rows`` of the local shard attend to key rows ``cols`` of the shard
+    in hand, with (``causal=True``) or without the diagonal mask."""
+
+    rows: slice
+    cols: slice
+    causal: bool
+
+
+# --8<-- [start:ring-step]
+def ring_step(rank: int, source: int, n: int, causal: bool, layout: str) -> RingStep | None:
+    """What rank ``rank`` computes with the key/value shard of rank ``source`` (local length ``n``);
+    ``None`` when every pair of the two shards is masked."""
+    everything = slice(0, n)
+    if not causal:
+        return RingStep(everything, everything, False)
+    if source == rank:  # the shard against itself: the diagonal chunks need the causal mask
+        return RingStep(everything, everything, True)
+    if layout == "contiguous":  # earlier keys are all visible, later ones all masked
+        return RingStep(everything, everything, False) if source < rank else None
+    half = n // 2  # zig-zag: chunks (r, 2P-1-r) against (s, 2P-1-s)
+    if source < rank:  # chunk s precedes both query chunks; chunk 2P-1-s follows both
+        return RingStep(everything, slice(0, half), False)
+    # s > r: both key chunks precede chunk 2P-1-r and follow chunk r
+    return RingStep(slice(half, n), everything, False)
+# --8<-- [end:ring-step]
+
+
+# --------------------------------------------------------------------------------------------------
+# the merge of partial results
+# --------------------------------------------------------------------------------------------------
+# --8<-- [start:merge]
+def merge_partials(o, lse, o_part, lse_part):
+    """Merge two partial attentions over disjoint key sets: ``(o, lse)`` of the union.
+
+    ``o`` (.., N, D) and ``lse`` (.., N) are one partial, ``o_part``/``lse_part`` the other; an empty
+    partial has lse = -inf (and any finite o). Exact: o = e^(lse_a - lse) o_a + e^(lse_b - lse) o_b.
+    """
+    lse_new = torch.logaddexp(lse, lse_part)
+    # A row empty in both partials keeps lse = -inf; pivoting it at 0 keeps both weights e^(-inf) = 0
+    # instead of e^(-inf - (-inf)) = NaN.
+    pivot = torch.where(lse_new == float("-inf"), torch.zeros_like(lse_new), lse_new)
+    w = torch.exp(lse - pivot).unsqueeze(-1)
+    w_part = torch.exp(lse_part - pivot).unsqueeze(-1)
+    return w * o + w_part * o_part, lse_new
+# --8<-- [end:merge]
+
+
+# --------------------------------------------------------------------------------------------------
+# communication
+# --------------------------------------------------------------------------------------------------
+def _ring_peers(group) -> tuple[int, int, int, int]:
+    """(rank in group, group size, global rank of the next rank, global rank of the previous one)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ranks = list(range(world)) if group is None or group is dist.group.WORLD else dist.get_process_group_ranks(group)
+    return rank, world, ranks[(rank + 1) % world], ranks[(rank - 1) % world]
+
+
+def _pass_on(send: torch.Tensor, recv: torch.Tensor, next_rank: int, prev_rank: int, group):
+    """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""
+    ops = [dist.P2POp(dist.isend, send, next_rank, group), dist.P2POp(dist.irecv, recv, prev_rank, group)]
+    return dist.batch_isend_irecv(ops)
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()
+
+
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    # Partials are merged and gradients summed in float32 (float64 stays float64 for exact tests).
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+# --8<-- [start:ring-forward]
+def _ring_forward(q, k, v, causal: bool, scale: float, layout: str, group):
+    rank, world, next_rank, prev_rank = _ring_peers(group)
+    n = q.shape[2]
+    kv = torch.stack((k, v))  # (2, B, Hkv, n, D): one message per step
+    o = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=_acc_dtype(q), device=q.device)  # empty so far
+    for step in range(world):
+        source = (rank - step) % world  # whose key/value shard is in hand
+        works, kv_next = [], None
+        if step + 1 < world:  # the next shard travels while this one is used
+            kv_next = torch.empty_like(kv)
+            works = _pass_on(kv, kv_next, next_rank, prev_rank, group)
+        plan = ring_step(rank, source, n, causal, layout)
+        if plan is not None:
+            rows, cols = plan.rows, plan.cols
+            o_part, lse_part = _local_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], plan.causal, scale)
+            o[:, :, rows], lse[:, :, rows] = merge_partials(o[:, :, rows], lse[:, :, rows], o_part, lse_part)
+        _wait(works)
+        kv = kv_next
+    return o.to(q.dtype), lse
+# --8<-- [end:ring-forward]
+
+
+# --8<-- [start:ring-backward]
+def _ring_backward(do, q, k, v, o, lse, causal: bool, scale: float, layout: str, group):
+    rank, world, next_rank, prev_rank = _ring_peers(group)
+    n = q.shape[2]
+    kv = torch.stack((k, v))
+    dq = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
+    dkv_works, dkv_in = [], None  # the dK/dV accumulator arriving with this step's key/value shard
+    for step in range(world):
+        source = (rank - step) % world
+        kv_works, kv_next = [], None
+        if step + 1 < world:
+            kv_next = torch.empty_like(kv)
+            kv_works = _pass_on(kv, kv_next, next_rank, prev_rank, group)
+        dkv = torch.zeros(kv.shape, dtype=_acc_dtype(q), device=q.device)
+        plan = ring_step(rank, source, n, causal, layout)
+        if plan is not None:
+            rows, cols = plan.rows, plan.cols
+            # The global o and lse: D = rowsum(dO * O) and P = exp(S - LSE) are those of the full row,
+            # so the partial gradients of all shards add up to the full gradient.
+            dq_part, dk_part, dv_part = _local_backward(
+                do[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                o[:, :, rows], lse[:, :, rows], plan.causal, scale)
+            dq[:, :, rows] += dq_part
+            dkv[0][:, :, cols] += dk_part
+            dkv[1][:, :, cols] += dv_part
+        if step > 0:  # what the ranks before us added to this shard's gradients
+            _wait(dkv_works)
+            dkv += dkv_in
+        # Pass the accumulator on with its shard; after the last step it reaches the shard's owner.
+        dkv_in = torch.empty_like(dkv)
+        dkv_works = _pass_on(dkv, dkv_in, next_rank, prev_rank, group) if world > 1 else []
+        _wait(kv_works)
+        kv = kv_next
+    _wait(dkv_works)
+    dkv = dkv_in if world > 1 else dkv
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+# --8<-- [end:ring-backward]
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    """``apply(q, k, v, causal, scale, layout, group) -> (o, lse)``, both this rank's shard."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, scale: float, layout: str, group):
+        o, lse = _ring_forward(q, k, v, causal, scale, layout, group)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale, ctx.layout, ctx.group = causal, scale, layout, group
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale, ctx.layout, ctx.group)
+        return dq, dk, dv, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------------
+# the public entry point
+# --------------------------------------------------------------------------------------------------
+def _check_ring_inputs(q, k, v, causal, scale, layout, group) -> None:
+    _check_inputs(q, k, v, causal, scale)  # the single-device contract: types, shapes, dtypes, D, scale
+    _check_layout(layout)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ring_attention needs torch.distributed: call torch.distributed.init_process_group first")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"q and k must hold shards of the same length (self-attention over one sharded sequence), "
+            f"got q with {q.shape[2]} queries and k with {k.shape[2]} keys")
+    if layout == "zigzag" and q.shape[2] % 2:
+        raise ValueError(f"layout='zigzag' needs an even shard length of q, k, v (two equal chunks), got {q.shape[2]}")
+    backend = dist.get_backend(group)
+    if backend == "nccl" and not q.is_cuda:
+        raise ValueError(f"the process group uses NCCL, so q, k, v must be CUDA tensors, got {q.device}")
+    if q.is_cuda and backend == "gloo":
+        raise ValueError("q, k, v are CUDA tensors but the process group uses gloo; use the NCCL backend")
+
+
+def ring_attention(q, k, v, *, group=None, causal: bool = False, scale: float | None = None,
+                   layout: str = "contiguous", return_lse: bool = False):
+    """Exact attention over a sequence sharded across the ranks of ``group``; returns this rank's output shard.
+
+    Args:
+        q: this rank's query shard (B, Hq, N/P, D).
+        k: this rank's key shard (B, Hkv, N/P, D), ``Hq % Hkv == 0``; with grouped-query attention only
+            the smaller K/V travels.
+        v: this rank's value shard, shaped like ``k``.
+        group: the process group (default: the world). Its size P is the number of shards.
+        causal: causal masking over the *full* sequence (query i sees key j <= i).
+        scale: softmax scale; ``1 / sqrt(D)`` when None.
+        layout: how the caller cut the sequence: ``"contiguous"`` (rank r holds the r-th of P equal
+            chunks) or ``"zigzag"`` (rank r holds chunks r and 2P - 1 - r of 2P; balances causal work).
+            :func:`shard_sequence` and :func:`unshard_sequence` cut and reassemble a full sequence.
+        return_lse: also return this shard's global log-sum-exp (B, Hq, N/P), no gradient.
+
+    Every rank must call it with tensors of the same shape, dtype and layout; that is the caller's
+    promise (checking it would cost a collective per call). Shards must have equal length, so N must be
+    divisible by P (contiguous) or 2P (zig-zag). Gradients flow to q, k, v; dK and dV come back to the
+    rank that owns the shard. NCCL with CUDA tensors runs the Triton kernels; gloo with CPU tensors runs
+    the PyTorch reference.
+    """
+    _check_ring_inputs(q, k, v, causal, scale, layout, group)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    o, lse = RingAttentionFunction.apply(q, k, v, causal, scale, layout, group)
+    return (o, lse) if return_lse else o
+
+
+__all__ = ["LAYOUTS", "RingStep", "chunk_ids", "gather_sequence", "merge_partials", "ring_attention", "ring_step",
+           "shard_sequence", "unshard_sequence"]

@@ -1,0 +1,506 @@
+"""Ring attention over torch.distributed, against single-process attention on the full sequence.
+
+CPU: real process groups (gloo on the loopback interface) of 2 and 4 processes, float64, compared with
+``naive_attention`` of the whole sequence: output, LSE and the gradients of q, k, v, for both layouts,
+causal and not, GQA, head dims that are not powers of two, strided inputs, large logits, a subgroup of
+3 ranks, and the errors for shards that cannot be split evenly. Each world size is launched once and
+runs every case (starting processes is the slow part); each case is then its own test.
+
+GPU (skipped with fewer than 2 GPUs): NCCL, float16 and bfloat16, against the single-GPU kernels on the
+full sequence, judged as a ratio of their errors against float64.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flashattn.distributed as fd
+from flashattn.reference import causal_mask, naive_attention
+from flashattn.testing import random_qkv, rel_err
+
+LAUNCH_TIMEOUT_S = 120  # per world; a hang (a rank stuck in a send) fails the test instead of blocking CI
+GLOO_TIMEOUT_S = 30
+
+# name -> problem; n is the full sequence length as a multiple of 2P ("chunks" per zig-zag chunk).
+CASES = {
+    "plain": dict(h_q=2, h_kv=2, d=16, chunk=4, causal=False, layout="contiguous"),
+    "plain-zigzag": dict(h_q=2, h_kv=2, d=16, chunk=4, causal=False, layout="zigzag"),
+    "causal-contiguous": dict(h_q=2, h_kv=2, d=16, chunk=4, causal=True, layout="contiguous"),
+    "causal-zigzag": dict(h_q=2, h_kv=2, d=16, chunk=4, causal=True, layout="zigzag"),
+    "gqa-causal-zigzag": dict(h_q=4, h_kv=2, d=16, chunk=3, causal=True, layout="zigzag"),
+    "mqa-d40": dict(h_q=3, h_kv=1, d=40, chunk=5, causal=False, layout="contiguous"),
+    "d24-causal-zigzag": dict(h_q=2, h_kv=1, d=24, chunk=3, causal=True, layout="zigzag"),
+    "large-logits": dict(h_q=2, h_kv=2, d=16, chunk=4, causal=True, layout="zigzag", std=6.0, scale=0.9),
+    # Shards longer than the reference's 64-row tiles, handed over as (B, N, H, D) storage viewed (B, H, N, D).
+    "strided-long": dict(h_q=2, h_kv=1, d=16, chunk=40, causal=True, layout="zigzag", strided=True),
+}
+CHECKS = [*CASES, "no-grad", "gather", "odd-zigzag-shard", "shard-length-mismatch", "subgroup-of-3"]
+
+
+# --------------------------------------------------------------------------------------------------
+# what every rank runs
+# --------------------------------------------------------------------------------------------------
+def _problem(case: dict, world: int, device, dtype, seed: int):
+    """The full-sequence inputs (identical on every rank: same seed) and an upstream gradient."""
+    n = 2 * world * case["chunk"]
+    g = torch.Generator(device=device).manual_seed(seed)
+    layout = "bnhd" if case.get("strided") else "bhnd"
+    q, k, v = random_qkv(2, case["h_q"], case["h_kv"], n, n, case["d"], dtype=dtype, device=device,
+                         generator=g, layout=layout, std=case.get("std", 1.0))
+    do = torch.randn(q.shape, dtype=dtype, device=device, generator=g)
+    return q, k, v, do
+
+
+def _run_attention(case: dict, rank: int, world: int, group=None) -> dict:
+    """Ring attention on this rank's shards vs float64 naive attention on the full sequence: max errors."""
+    q, k, v, do = _problem(case, world, "cpu", torch.float64, seed=1234)
+    scale = case.get("scale")
+    full = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    o_ref, lse_ref = naive_attention(*full, case["causal"], scale)
+    o_ref.backward(do)
+    # --8<-- [start:usage]
+    shard = lambda x, dim=-2: fd.shard_sequence(x, rank, world, layout=case["layout"], dim=dim)  # noqa: E731
+    local = [shard(x) for x in (q, k, v)]
+    if case.get("strided"):  # keep the (B, N, H, D) storage of the inputs
+        local = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in local]
+    local = [x.detach().requires_grad_() for x in local]
+    o, lse = fd.ring_attention(*local, group=group, causal=case["causal"], scale=scale, layout=case["layout"],
+                               return_lse=True)
+    o.backward(shard(do))
+    # --8<-- [end:usage]
+    errors = {"o": (o, shard(o_ref)), "lse": (lse, shard(lse_ref, dim=-1))}
+    errors.update({name: (x.grad, shard(ref.grad)) for name, x, ref in zip(("dq", "dk", "dv"), local, full)})
+    return {name: _max_err(got, want) for name, (got, want) in errors.items()}
+
+
+def _max_err(got, want) -> float:
+    """Largest difference relative to the largest entry of ``want`` (absolute when that is below 1)."""
+    if got is None or got.shape != want.shape or not torch.isfinite(got).all():
+        return math.inf
+    return (got - want).abs().max().item() / max(1.0, want.abs().max().item())
+
+
+def _check(name: str, rank: int, world: int):
+    if name in CASES:
+        return _run_attention(CASES[name], rank, world)
+    if name == "no-grad":  # inference: no autograd graph, same output
+        case = CASES["causal-zigzag"]
+        q, k, v, _ = _problem(case, world, "cpu", torch.float64, seed=7)
+        with torch.no_grad():
+            o = fd.ring_attention(*(fd.shard_sequence(x, rank, world) for x in (q, k, v)), causal=True, layout="zigzag")
+        return {"o": _max_err(o, fd.shard_sequence(naive_attention(q, k, v, True)[0], rank, world))}
+    if name == "gather":  # all-gather of the shards gives back the full sequence, in order
+        x = torch.arange(2 * 3 * 4 * world * 5, dtype=torch.float64).reshape(2, 3, 4 * world, 5)
+        out = {}
+        for layout in fd.LAYOUTS:
+            out[layout] = _max_err(fd.gather_sequence(fd.shard_sequence(x, rank, world, layout=layout), layout=layout), x)
+        return out
+    if name == "odd-zigzag-shard":  # every rank raises the same error before any message is sent
+        q, k, v = random_qkv(1, 2, 2, 5, 5, 16)
+        try:
+            fd.ring_attention(q, k, v, causal=True, layout="zigzag")
+        except ValueError as exc:
+            return {"message": str(exc)}
+        return {"message": None}
+    if name == "shard-length-mismatch":
+        q, k, v = random_qkv(1, 2, 2, 4, 6, 16)
+        try:
+            fd.ring_attention(q, k, v)
+        except ValueError as exc:
+            return {"message": str(exc)}
+        return {"message": None}
+    if name == "subgroup-of-3":  # a ring over global ranks 1, 2, 3: peers are global ranks, P = 3
+        members = [1, 2, 3]
+        if world < 4:
+            return {"skipped": True}
+        group = dist.new_group(members)  # every rank of the world takes part in creating it
+        if rank not in members:
+            return {"skipped": True}
+        case = CASES["gqa-causal-zigzag"]
+        return _run_attention(case, dist.get_rank(group), len(members), group=group)
+    raise KeyError(name)
+
+
+def _worker(rank: int, world: int, port: int, names: list, results) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only: nothing listens on a real interface
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
+    except Exception:  # noqa: BLE001 - handed to the parent test
+        results.put(("<init>", rank, traceback.format_exc(), None))
+        return
+    try:
+        for name in names:
+            try:
+                results.put((name, rank, None, _check(name, rank, world)))
+            except Exception:  # noqa: BLE001 - handed to the parent test
+                results.put((name, rank, traceback.format_exc(), None))
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------------
+# the parent: start the world, collect, bound the time
+# --------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(worker, world: int, args: tuple, expected: int, timeout_s: float = LAUNCH_TIMEOUT_S):
+    """Run ``worker(rank, world, port, *args, queue)`` in ``world`` spawned processes; return what they put
+    on the queue. Fails (after killing every process) on a time overrun or a process that dies early."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=worker, args=(rank, world, port, *args, results), daemon=True) for rank in range(world)]
+    for p in procs:
+        p.start()
+    got, deadline = [], time.monotonic() + timeout_s
+    try:
+        while len(got) < expected:
+            if time.monotonic() > deadline:
+                pytest.fail(f"{world} processes did not finish in {timeout_s} s ({len(got)}/{expected} results)")
+            try:
+                got.append(results.get(timeout=0.5))
+            except queue_mod.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    codes = [p.exitcode for p in procs]
+                    pytest.fail(f"processes exited with codes {codes} after {len(got)}/{expected} results")
+                continue
+            if got[-1][0] == "<init>":
+                pytest.fail(f"rank {got[-1][1]} could not join the process group:\n{got[-1][2]}")
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return got
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w}ranks")
+def world(request):
+    size = request.param
+    start = time.perf_counter()
+    got = launch(_worker, size, (CHECKS,), expected=len(CHECKS) * size)
+    by_name: dict = {}
+    for name, rank, error, result in got:
+        by_name.setdefault(name, {})[rank] = (error, result)
+    print(f"\n{size} gloo processes ran {len(CHECKS)} checks in {time.perf_counter() - start:.1f} s")
+    return size, by_name
+
+
+def _results(world, name: str) -> list:
+    """Every rank's result for one check; a rank's exception fails the test with its traceback."""
+    size, by_name = world
+    ranks = by_name.get(name, {})
+    assert sorted(ranks) == list(range(size)), f"{name}: results from ranks {sorted(ranks)} of {size}"
+    for rank, (error, _) in sorted(ranks.items()):
+        assert error is None, f"{name} raised on rank {rank}:\n{error}"
+    return [result for _, (_, result) in sorted(ranks.items())]
+
+
+# --------------------------------------------------------------------------------------------------
+# the multi-process tests
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(CASES))
+def test_ring_attention_matches_full_attention(world, name):
+    """Output, LSE and all three gradients of every rank's shard, float64: equal to rounding (1e-12 of
+    the largest entry)."""
+    for rank, errors in enumerate(_results(world, name)):
+        assert set(errors) == {"o", "lse", "dq", "dk", "dv"}
+        for what, err in errors.items():
+            assert err <= 1e-12, f"{name}, rank {rank}: {what} differs by {err:.3e}"
+
+
+def test_no_grad_inference(world):
+    for rank, errors in enumerate(_results(world, "no-grad")):
+        assert errors["o"] <= 1e-12, f"rank {rank}: {errors}"
+
+
+def test_gather_sequence_round_trip(world):
+    for errors in _results(world, "gather"):
+        assert errors == {layout: 0.0 for layout in fd.LAYOUTS}
+
+
+def test_odd_zigzag_shard_is_rejected(world):
+    for result in _results(world, "odd-zigzag-shard"):
+        assert result["message"] is not None, "an odd shard length was accepted for layout='zigzag'"
+        assert "zigzag" in result["message"] and "even" in result["message"] and "5" in result["message"]
+
+
+def test_shards_of_different_length_are_rejected(world):
+    for result in _results(world, "shard-length-mismatch"):
+        assert result["message"] is not None and "q" in result["message"] and "k" in result["message"]
+
+
+def test_subgroup_ring_of_three_ranks(world):
+    size, _ = world
+    results = _results(world, "subgroup-of-3")
+    if size < 4:
+        pytest.skip("needs 4 ranks")
+    assert results[0] == {"skipped": True}
+    for rank, errors in enumerate(results[1:], 1):
+        for what, err in errors.items():
+            assert err <= 1e-12, f"rank {rank}: {what} differs by {err:.3e}"
+
+
+# --------------------------------------------------------------------------------------------------
+# single-process tests: layouts, schedule, merge, errors
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", fd.LAYOUTS)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+def test_shard_unshard_round_trip(layout, world_size):
+    x = torch.randn(2, 3, 4 * world_size * 3, 5)
+    shards = [fd.shard_sequence(x, r, world_size, layout=layout) for r in range(world_size)]
+    assert all(s.shape[2] == x.shape[2] // world_size for s in shards)
+    assert torch.equal(fd.unshard_sequence(shards, layout=layout), x)
+    # Along another dim too: (B, N, H, D) tensors shard along dim 1.
+    xt = x.transpose(1, 2)
+    assert torch.equal(fd.unshard_sequence([fd.shard_sequence(xt, r, world_size, layout=layout, dim=1)
+                                            for r in range(world_size)], layout=layout, dim=1), xt)
+
+
+def test_zigzag_chunks():
+    assert [fd.chunk_ids(r, 4) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert [fd.chunk_ids(r, 3, "contiguous") for r in range(3)] == [(0,), (1,), (2,)]
+
+
+@pytest.mark.parametrize("layout,n,world_size", [("zigzag", 12, 4), ("zigzag", 10, 2), ("contiguous", 10, 4)])
+def test_uneven_sequence_is_rejected(layout, n, world_size):
+    with pytest.raises(ValueError, match=r"sequence length N of x \(%d\) must be divisible" % n):
+        fd.shard_sequence(torch.zeros(1, 1, n, 16), 0, world_size, layout=layout)
+
+
+def _schedule_mask(world_size: int, chunk: int, causal: bool, layout: str) -> torch.Tensor:
+    """The full (N, N) mask of the query/key pairs the ring steps compute, from :func:`ring_step`;
+    a pair computed twice counts twice."""
+    n_local = chunk * len(fd.chunk_ids(0, world_size, layout))
+    positions = [fd.shard_sequence(torch.arange(n_local * world_size)[:, None], r, world_size, layout=layout)[:, 0]
+                 for r in range(world_size)]
+    mask = torch.zeros(n_local * world_size, n_local * world_size, dtype=torch.long)
+    for rank in range(world_size):
+        for source in range(world_size):
+            plan = fd.ring_step(rank, source, n_local, causal, layout)
+            if plan is None:
+                continue
+            rows, cols = positions[rank][plan.rows], positions[source][plan.cols]
+            pairs = torch.ones(len(rows), len(cols), dtype=torch.long)
+            if plan.causal:
+                pairs = causal_mask(len(rows), len(cols)).long()
+            mask[rows[:, None], cols[None, :]] += pairs
+    return mask
+
+
+@pytest.mark.parametrize("layout", fd.LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def test_schedule_covers_each_visible_pair_once(world_size, causal, layout):
+    """Brute force: the steps of all ranks compute every visible (query, key) pair exactly once and no
+    masked pair; so every skipped step was fully masked and every unmasked step fully visible."""
+    mask = _schedule_mask(world_size, 3, causal, layout)
+    n = mask.shape[0]
+    want = causal_mask(n, n).long() if causal else torch.ones(n, n, dtype=torch.long)
+    assert torch.equal(mask, want)
+
+
+def test_zigzag_balances_causal_work():
+    """Pairs computed per rank: equal across ranks with zig-zag, skewed P-fold-ish with contiguous shards."""
+    world_size, chunk = 4, 8
+    for layout, balanced in (("zigzag", True), ("contiguous", False)):
+        n_local = chunk * len(fd.chunk_ids(0, world_size, layout))
+        work = []
+        for rank in range(world_size):
+            pairs = 0
+            for source in range(world_size):
+                plan = fd.ring_step(rank, source, n_local, True, layout)
+                if plan is not None:
+                    r, c = plan.rows.stop - plan.rows.start, plan.cols.stop - plan.cols.start
+                    pairs += int(causal_mask(r, c).sum()) if plan.causal else r * c
+            work.append(pairs)
+        assert (len(set(work)) == 1) == balanced, (layout, work)
+    # Every zig-zag step (except the own shard, which is causal) is one full half-by-whole block.
+    for source in range(1, world_size):
+        plan = fd.ring_step(0, source, 2 * chunk, True, "zigzag")
+        assert (plan.rows.stop - plan.rows.start) * (plan.cols.stop - plan.cols.start) == 2 * chunk * chunk
+
+
+def test_merge_partials_is_exact_and_handles_empty_partials():
+    from derivations.merge import merge_pair
+
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(4, 10, generator=g, dtype=torch.float64) * 5
+    values = torch.randn(10, 3, generator=g, dtype=torch.float64)
+    scores[1, :6] = -math.inf  # row 1: the first partial is empty
+    scores[2] = -math.inf  # row 2: both partials are empty
+
+    def partial(cols):
+        s = scores[:, cols]
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - torch.where(torch.isinf(lse), 0, lse)[:, None])
+        return p @ values[cols], lse
+
+    (o_a, lse_a), (o_b, lse_b), (o, lse) = partial(slice(0, 6)), partial(slice(6, 10)), partial(slice(0, 10))
+    o_m, lse_m = fd.merge_partials(o_a, lse_a, o_b, lse_b)
+    assert not torch.isnan(o_m).any() and not torch.isnan(lse_m).any()
+    assert torch.allclose(o_m, o, rtol=0, atol=1e-14) and torch.equal(torch.isinf(lse_m), torch.isinf(lse))
+    assert torch.allclose(lse_m[~torch.isinf(lse)], lse[~torch.isinf(lse)], rtol=0, atol=1e-14)
+    assert torch.equal(o_m[2], torch.zeros(3, dtype=torch.float64))
+    # The same formula as the derivation proves, entry by entry.
+    for i in range(4):
+        for c in range(3):
+            o_ref, lse_ref = merge_pair((float(o_a[i, c]), float(lse_a[i])), (float(o_b[i, c]), float(lse_b[i])),
+                                        math.exp, lambda x, y: float(torch.logaddexp(torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64))))
+            assert math.isclose(float(o_m[i, c]), o_ref, rel_tol=1e-14, abs_tol=1e-14)
+            assert lse_ref == float(lse_m[i]) or math.isclose(lse_ref, float(lse_m[i]), rel_tol=1e-14)
+
+
+def test_errors_without_a_process_group():
+    q, k, v = random_qkv(1, 2, 2, 4, 4, 16)
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fd.ring_attention(q, k, v)
+    with pytest.raises(ValueError, match="layout"):
+        fd.ring_attention(q, k, v, layout="striped")
+    with pytest.raises(ValueError, match="head dim"):  # the single-device contract is checked first
+        fd.ring_attention(*random_qkv(1, 2, 2, 4, 4, 8))
+
+
+def test_import_does_not_start_anything():
+    import flashattn.distributed
+
+    assert callable(flashattn.distributed.ring_attention)
+    assert not dist.is_initialized()
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: NCCL, one process per GPU, low precision against the single-GPU kernels
+# --------------------------------------------------------------------------------------------------
+GPU_CASES = {
+    "causal-zigzag": dict(h_q=4, h_kv=4, d=128, chunk=256, causal=True, layout="zigzag"),
+    "plain-contiguous": dict(h_q=4, h_kv=4, d=64, chunk=200, causal=False, layout="contiguous"),
+    "gqa-d96-causal-zigzag": dict(h_q=8, h_kv=2, d=96, chunk=192, causal=True, layout="zigzag"),
+}
+
+
+def _gpu_worker(rank: int, world: int, port: int, names: list, dtypes: list, results) -> None:
+    torch.cuda.set_device(rank)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    try:
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S), device_id=torch.device("cuda", rank))
+    except Exception:  # noqa: BLE001
+        results.put(("<init>", rank, traceback.format_exc(), None))
+        return
+    try:
+        for name in names:
+            for dtype_name in dtypes:
+                try:
+                    results.put((f"{name}/{dtype_name}", rank, None,
+                                 _gpu_check(GPU_CASES[name], getattr(torch, dtype_name), rank, world)))
+                except Exception:  # noqa: BLE001
+                    results.put((f"{name}/{dtype_name}", rank, traceback.format_exc(), None))
+    finally:
+        dist.destroy_process_group()
+
+
+def _gpu_check(case: dict, dtype, rank: int, world: int) -> dict:
+    """Relative errors against float64 of the ring (this rank's shard) and of the single-GPU kernel
+    (the same rows of the full sequence), for o, dq, dk, dv."""
+    import flashattn
+
+    device = torch.device("cuda", rank)
+    q, k, v, do = _problem(case, world, device, torch.float64, seed=99)
+    causal, layout = case["causal"], case["layout"]
+    shard = lambda x: fd.shard_sequence(x, rank, world, layout=layout)  # noqa: E731
+
+    def grads(fn, inputs, grad_out):
+        inputs = [x.detach().clone().requires_grad_() for x in inputs]
+        o = fn(*inputs)
+        o.backward(grad_out)
+        return [o.detach()] + [x.grad for x in inputs]
+
+    ref = grads(lambda *x: naive_attention(*x, causal)[0], (q, k, v), do)
+    single = grads(lambda *x: flashattn.attention(*x, causal=causal), [x.to(dtype) for x in (q, k, v)], do.to(dtype))
+    ring = grads(lambda *x: fd.ring_attention(*x, causal=causal, layout=layout),
+                 [shard(x).to(dtype) for x in (q, k, v)], shard(do).to(dtype))
+    out = {}
+    for name, r, s, g in zip(("o", "dq", "dk", "dv"), ring, single, ref):
+        out[name] = (rel_err(r, shard(g)), rel_err(shard(s), shard(g)))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 or more GPUs")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_ring_attention_nccl_matches_single_gpu_kernels(dtype):
+    world = min(torch.cuda.device_count(), 4)
+    got = launch(_gpu_worker, world, (list(GPU_CASES), [dtype]), expected=len(GPU_CASES) * world, timeout_s=300)
+    problems = []
+    for name, rank, error, result in got:
+        if error is not None:
+            problems.append(f"{name} rank {rank}:\n{error}")
+            continue
+        for what, (err_ring, err_single) in result.items():
+            # The ring merges partials in float32 and sums per-shard dK/dV partials that were each rounded
+            # to the input dtype, so its error may exceed the single-GPU kernel's by a small factor.
+            if not err_ring <= 3.0 * err_single + 1e-4:
+                problems.append(f"{name} rank {rank} {what}: ring {err_ring:.3e} vs single GPU {err_single:.3e}")
+    assert not problems, "\n".join(problems)
+
+
+# --------------------------------------------------------------------------------------------------
+# the scaling benchmark's harness (the GPU run itself is not a test)
+# --------------------------------------------------------------------------------------------------
+def test_benchmark_arguments():
+    from benchmarks import ring as bench
+
+    args = bench.parse_args(["--out", "x.json", "--heads", "8", "--kv-heads", "2"])
+    assert args.lengths == bench.DEFAULT_LENGTHS and (args.heads, args.kv_heads, args.dtype) == (8, 2, "bfloat16")
+    for bad in (["--heads", "6", "--kv-heads", "4"], ["--head-dim", "0"], ["--lengths", "1"], []):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad if not bad or bad[0] == "--out" else ["--out", "x.json", *bad])
+    # The causal baseline does the ring's visible pairs per GPU (to within the rounding to 128).
+    for n, world in ((65536, 2), (1 << 20, 4)):
+        rows, cols = bench.baseline_shape(n, world, True)
+        assert abs(rows * cols / 2 - n * n / 2 / world) / (n * n / 2 / world) < 0.01
+        assert bench.baseline_shape(n, world, False) == (n // world, n)
+
+
+def test_benchmark_dry_run_with_two_processes(tmp_path):
+    """``torchrun --nproc-per-node 2 -m benchmarks.ring --dry-run``: gloo, CPU, every row measured."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "ring.json"
+    env = {**os.environ, "PYTHONPATH": str(root), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                           "-m", "benchmarks.ring", "--dry-run", "--out", str(out)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    assert payload["environment"]["world_size"] == 2 and payload["environment"]["backend"] == "gloo"
+    assert [(r["n"], r["causal"]) for r in payload["rows"]] == [(64, False), (64, True), (128, False), (128, True)]
+    for row in payload["rows"]:
+        ring = row["ring"]
+        assert ring["fwd_ms"] > 0 and ring["fwd_bwd_ms"] > 0 and len(ring["compute_ms_per_rank"]) == 2
+        assert ring["fwd_tflops_per_gpu"] > 0 and ring["balance"] >= 0
