@@ -491,3 +491,12 @@ def test_hook_fails_loudly_on_unknown_directives_and_unplaced_checks(tmp_path):
         hooks.module_pages(pages({**every, "math/again.md": f"<!-- flashattn:derivation {derivations.MODULES[0]} -->"}))
     with pytest.raises(PluginError, match="not in derivations.MODULES"):
         hooks.module_pages(pages({**every, "math/new.md": "<!-- flashattn:derivation no_such_module -->"}))
+
+
+def test_serve_watches_the_code_the_pages_embed():
+    """`mkdocs serve` reloads when an embedded kernel or derivation changes, not only a page."""
+    from mkdocs.config import load_config
+
+    config = load_config(str(ROOT / "mkdocs.yml"))
+    watched = {Path(p).resolve() for p in config["watch"]}
+    assert {(ROOT / "flashattn").resolve(), (ROOT / "derivations").resolve()} <= watched
