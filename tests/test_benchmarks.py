@@ -18,21 +18,45 @@ from flashattn import cost as cost_model
 
 def test_grid_holds_tokens_and_width_fixed():
     settings = grid.make_grid()
-    assert len(settings) == 2 * 2 * 2 * 6 + 2 * 1 * 2 * 6  # dtype x D x mask x N, then D = 256 for ours
-    for s in settings:
+    plain = [s for s in settings if not s.gqa]
+    assert len(plain) == 2 * 3 * 2 * 6  # dtype x D x mask x N, every provider
+    for s in plain:
         assert s.batch * s.seqlen == 16384
         assert s.heads * s.head_dim == 2048
-        assert s.peers == (s.head_dim in (64, 128))
-    assert {s.seqlen for s in settings} == {512, 1024, 2048, 4096, 8192, 16384}
-    assert {s.dtype for s in settings} == {"float16", "bfloat16"}
-    assert {(s.head_dim, s.heads) for s in settings} == {(64, 32), (128, 16), (256, 8)}
-    # The side-by-side part runs first; within a group the lengths ascend (the first is the check shape).
-    first_ours_only = next(i for i, s in enumerate(settings) if not s.peers)
-    assert all(s.peers for s in settings[:first_ours_only]) and not any(s.peers for s in settings[first_ours_only:])
+        assert s.peers and s.h_kv == s.heads
+    assert {s.seqlen for s in plain} == {512, 1024, 2048, 4096, 8192, 16384}
+    assert {s.dtype for s in plain} == {"float16", "bfloat16"}
+    assert {(s.head_dim, s.heads) for s in plain} == {(64, 32), (128, 16), (256, 8)}
+    # Within a group the lengths ascend (the first is the check shape); every setting is distinct.
     for a, b in zip(settings, settings[1:]):
         if a.group == b.group:
             assert a.seqlen < b.seqlen
     assert len({s.key for s in settings}) == len(settings)
+
+
+def test_grid_has_a_gqa_row_after_the_rest():
+    settings = grid.make_grid()
+    gqa = [s for s in settings if s.gqa]
+    assert [s.seqlen for s in gqa] == [512, 2048, 8192]
+    assert settings[-len(gqa):] == gqa  # the side-by-side plain grid finishes first
+    for s in gqa:
+        assert (s.heads, s.h_kv, s.head_dim, s.dtype, s.causal) == (32, 8, 128, "bfloat16", True)
+        assert s.batch * s.seqlen == 16384 and s.peers
+        assert s.gqa == "32:8" and "GQA 32:8" in s.label()
+    # The GQA row is its own line: never grouped with the plain bf16 D = 128 causal settings.
+    plain = grid.make_setting("bfloat16", 128, True, 8192)
+    assert plain.group != gqa[-1].group and plain.key != gqa[-1].key
+    assert grid.make_grid(gqa_seqlens=()) == [s for s in settings if not s.gqa]
+
+
+def test_gqa_inputs_have_fewer_kv_heads():
+    s = grid.make_setting("float32", 16, True, 16, tokens=32, heads=4, kv_heads=2)
+    q, k, v, do = measure.make_inputs(s, "cpu")
+    assert q.shape == do.shape == (2, 4, 16, 16) and k.shape == v.shape == (2, 2, 16, 16)
+    # FLOPs count query heads: GQA does the work of Hq heads.
+    assert measure.attention_flops(s, "fwd") == cost_model.attention_flops(2, 4, 16, 16, 16, causal=True, mode="fwd")
+    with pytest.raises(ValueError, match="kv_heads"):
+        grid.make_setting("float32", 16, True, 16, tokens=32, heads=4, kv_heads=3)
 
 
 def test_grid_rejects_shapes_off_the_token_budget():
@@ -49,6 +73,9 @@ def test_peers_skip_ours_only_head_dims():
         assert "flashattn only" in providers.PROVIDERS[name].skip_reason(s256)
         assert providers.PROVIDERS[name].skip_reason(s128) is None
     assert providers.PROVIDERS["flashattn"].skip_reason(s256) is None
+    # D = 256 is in the side-by-side grid now: no provider skips it there.
+    for s in grid.make_grid():
+        assert all(p.skip_reason(s) is None for p in providers.get(providers.DEFAULT))
 
 
 # -- FLOPs: the cost model's formula, no second one -------------------------------------------------------
@@ -118,9 +145,11 @@ CPU_PROVIDERS = [providers.PROVIDERS["flashattn"], providers.PROVIDERS["referenc
 
 
 def tiny_grid():
-    # float32 on a CPU: flashattn runs its tile-by-tile reference there. 2 x 2 x 2 settings + 2 ours-only.
+    # float32 on a CPU: flashattn runs its tile-by-tile reference there. D = 16 (every provider) and
+    # D = 32 (ours only), 2 masks x 2 lengths each, then a GQA 4:2 row at 2 lengths: 10 settings.
     return grid.make_grid(dtypes=("float32",), head_dims=(16,), head_dims_ours_only=(32,), causal=(False, True),
-                          seqlens=(16, 32), tokens=64, hidden=64)
+                          seqlens=(16, 32), tokens=64, hidden=64, gqa_seqlens=(16, 32), gqa_heads=(4, 2),
+                          gqa_head_dim=16, gqa_dtype="float32", gqa_causal=True)
 
 
 def run_tiny(**kw):
@@ -144,12 +173,17 @@ def test_loop_records_every_setting_provider_and_pass(tiny):
     settings = tiny_grid()
     assert len(tiny["measurements"]) == len(settings) * len(CPU_PROVIDERS) * 2
     assert len(tiny["memory"]) == len(settings) * len(CPU_PROVIDERS)
-    by = {(m["provider"], m["head_dim"], m["causal"], m["seqlen"], m["pass"]): m for m in tiny["measurements"]}
-    ok = by[("flashattn", 16, True, 32, "bwd")]
+    by = {(m["provider"], m["head_dim"], m["causal"], m["kv_heads"], m["seqlen"], m["pass"]): m
+          for m in tiny["measurements"]}
+    assert len(by) == len(tiny["measurements"])  # the GQA row does not overwrite the plain D = 16 settings
+    ok = by[("flashattn", 16, True, None, 32, "bwd")]
     s = grid.make_setting("float32", 16, True, 32, tokens=64, hidden=64)
     assert ok["status"] == "ok" and ok["ms"] == FAKE_MS
     assert ok["tflops"] == pytest.approx(measure.attention_flops(s, "bwd") / (FAKE_MS * 1e-3) / 1e12)
-    assert ok["batch"] == 2 and ok["heads"] == 4
+    assert ok["batch"] == 2 and ok["heads"] == 4 and "gqa" not in ok
+    gqa = by[("flashattn", 16, True, 2, 32, "fwd")]
+    assert gqa["status"] == "ok" and gqa["heads"] == 4 and gqa["gqa"] == "native"
+    assert by[("reference", 16, True, 2, 32, "fwd")]["status"] == "ok"
 
 
 def test_loop_records_failures_instead_of_crashing(tiny):
@@ -167,17 +201,19 @@ def test_loop_records_failures_instead_of_crashing(tiny):
 
 
 def test_correctness_check_runs_once_per_group_and_can_fail(tiny):
-    checks = {(c["provider"], c["head_dim"], c["causal"]): c for c in tiny["checks"]}
+    checks = {(c["provider"], c["head_dim"], c["causal"], c["kv_heads"]): c for c in tiny["checks"]}
     assert all(c["seqlen"] == 16 for c in tiny["checks"])  # the first length of each group
-    assert len(tiny["checks"]) == 2 * len(CPU_PROVIDERS) + 2 * 2  # D=16: all; D=32: flashattn, reference
+    # D=16: all providers, both masks; D=32: flashattn and the reference; the GQA row: all providers.
+    assert len(tiny["checks"]) == len(checks) == 2 * len(CPU_PROVIDERS) + 2 * 2 + len(CPU_PROVIDERS)
+    assert checks[("flashattn", 16, True, 2)]["passed"] and not checks[("wrong", 16, True, 2)]["passed"]
     for causal in (False, True):
-        assert checks[("flashattn", 16, causal)]["passed"], checks[("flashattn", 16, causal)]
-        assert checks[("reference", 16, causal)]["passed"]
-        wrong = checks[("wrong", 16, causal)]
+        assert checks[("flashattn", 16, causal, None)]["passed"], checks[("flashattn", 16, causal, None)]
+        assert checks[("reference", 16, causal, None)]["passed"]
+        wrong = checks[("wrong", 16, causal, None)]
         assert not wrong["passed"] and wrong["status"] == "failed"
         assert wrong["rel_err"]["o"] == pytest.approx(0.1, rel=1e-3)  # 1.1 x o is 10 % off
-        assert checks[("boom", 16, causal)]["status"] == "error"
-        assert checks[("nokernel", 16, causal)]["status"] == "unsupported"
+        assert checks[("boom", 16, causal, None)]["status"] == "error"
+        assert checks[("nokernel", 16, causal, None)]["status"] == "unsupported"
 
 
 def test_results_are_handed_over_after_every_setting(tiny_run):
@@ -217,7 +253,8 @@ def synthetic_results(measured):
     cfg = {"quick": True, "warmup_ms": 1, "rep_ms": 1, "timer": "fake (test)", "forward": "f", "backward": "b",
            "memory": "m", "flops": "attention_flops", "check": "c"}
     g = grid.grid_description(dtypes=("float32",), head_dims=(16,), head_dims_ours_only=(32,), causal=(False, True),
-                              seqlens=(16, 32), tokens=64, hidden=64)
+                              seqlens=(16, 32), tokens=64, hidden=64, gqa_seqlens=(16, 32), gqa_heads=(4, 2),
+                              gqa_head_dim=16, gqa_dtype="float32", gqa_causal=True)
     res = results.new_results(environment=SYNTHETIC_ENV, config=cfg, grid=g,
                               providers={p.name: p.describe() for p in CPU_PROVIDERS})
     res.update(copy.deepcopy(measured))
@@ -267,10 +304,11 @@ def hand_made_results():
 
 def test_ratios_are_ours_over_peer():
     r = report.ratios(hand_made_results())
-    assert r[("float32", 16, False, 16, "fwd")]["reference"] == pytest.approx(2.0)
-    assert r[("float32", 16, True, 32, "bwd")]["reference"] == pytest.approx(0.5)
+    assert r[("float32", 16, False, "", 16, "fwd")]["reference"] == pytest.approx(2.0)
+    assert r[("float32", 16, True, "", 32, "bwd")]["reference"] == pytest.approx(0.5)
+    assert r[("float32", 16, True, "4:2", 32, "bwd")]["reference"] == pytest.approx(0.5)
     mins = report.min_ratios(hand_made_results(), min_seqlen=16)
-    assert mins[("float32", 16, False, "fwd")]["reference"] == (pytest.approx(0.5), 32)
+    assert mins[("float32", 16, False, "", "fwd")]["reference"] == (pytest.approx(0.5), 32)
 
 
 def test_plots_and_summary_are_written(tmp_path):
@@ -311,18 +349,53 @@ def test_run_main_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(run, "environment", lambda device: dict(SYNTHETIC_ENV))
     monkeypatch.setattr(measure, "do_bench_timer", lambda warmup, rep: fake_timer)
     monkeypatch.setattr(measure, "cuda_peak_memory", lambda fn, inputs: 2**20)
+    # The latency section runs for real on the CPU (wall clock, eager only: compiling needs a C compiler
+    # and minutes), on two tiny shapes with short loops.
     argv = ["--dtypes", "float32", "--head-dims", "16", "--head-dims-ours-only", "32", "--seqlens", "16,32",
-            "--tokens", "64", "--hidden", "64", "--providers", "flashattn,reference", "--long-seqlen", "0",
-            "--no-progress", "--out", str(tmp_path)]
+            "--gqa-seqlens", "", "--tokens", "64", "--hidden", "64", "--providers", "flashattn,reference",
+            "--long-seqlen", "0", "--latency-modes", "eager", "--latency-dtypes", "float32",
+            "--latency-head-dims", "16", "--latency-seqlens", "16", "--latency-batch-heads", "1x2",
+            "--latency-target-ms", "1", "--latency-repeats", "2", "--no-progress", "--out", str(tmp_path)]
     assert run.main(argv) == 0
     res = results.load(tmp_path / "results.json")
-    assert res["complete"] and res["grid"]["tokens"] == 64
+    assert res["complete"] and res["grid"]["tokens"] == 64 and "gqa" not in res["grid"]
+    assert res["config"]["sections"] == ["grid", "latency"]
     assert len(res["measurements"]) == 8 * 2 * 2 and all(m["status"] == "ok" for m in res["measurements"])
     assert all(c["passed"] for c in res["checks"]) and len(res["checks"]) == 4 * 2
+    lat = res["latency"]["records"]
+    # 2 shapes (both masks) x 2 providers x 1 mode x 2 passes, every one timed.
+    assert len(lat) == 2 * 2 * 2 and all(r["status"] == "ok" and r["us_per_call"] > 0 for r in lat)
+    assert {(r["provider"], r["mode"], r["pass"]) for r in lat} == {
+        (p, "eager", q) for p in ("flashattn", "reference") for q in ("fwd", "fwd_bwd")}
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "results.json", "summary.md", "tflops_bwd_float32.png", "tflops_fwd_float32.png"]
+        "latency_fwd.png", "latency_fwd_bwd.png", "results.json", "summary.md", "tflops_bwd_float32.png",
+        "tflops_fwd_float32.png"]
     printed = capsys.readouterr().out
-    assert "vs reference" in printed  # the ratio table ends the run's output
+    assert "vs reference" in printed  # the ratio table ends the grid's output
+    summary = (tmp_path / "summary.md").read_text()
+    assert "### Per-call latency at small shapes" in summary and "#### µs per call, eager" in summary
+
+
+def test_run_latency_section_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(run, "DEVICE", "cpu")
+    monkeypatch.setattr(run, "environment", lambda device: dict(SYNTHETIC_ENV))
+    argv = ["--sections", "latency", "--providers", "reference", "--latency-modes", "eager",
+            "--latency-passes", "fwd", "--latency-dtypes", "float32", "--latency-head-dims", "16",
+            "--latency-seqlens", "16", "--latency-batch-heads", "1x2", "--latency-causal", "false",
+            "--latency-target-ms", "1", "--latency-repeats", "1", "--no-progress", "--out", str(tmp_path)]
+    assert run.main(argv) == 0
+    res = results.load(tmp_path / "results.json")
+    assert res["grid"] is None and res["measurements"] == [] and len(res["latency"]["records"]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latency_fwd.png", "results.json", "summary.md"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "### TFLOP/s" not in summary and "Per-call latency" in summary
+
+
+def test_run_rejects_unknown_sections(capsys):
+    with pytest.raises(SystemExit):
+        run.parse_args(["--sections", "grid,speed"])
+    assert "--sections" in capsys.readouterr().err
 
 
 def test_run_rejects_unknown_providers():
@@ -335,7 +408,8 @@ def test_run_rejects_unknown_providers():
 def test_run_smoke_on_gpu(tmp_path):
     argv = ["--dtypes", "float16", "--head-dims", "64", "--head-dims-ours-only", "", "--causal", "both",
             "--seqlens", "1024", "--providers", "flashattn,sdpa_flash", "--warmup-ms", "5", "--rep-ms", "10",
-            "--flex-workers", "0", "--long-seqlen", "0", "--no-progress", "--out", str(tmp_path)]
+            "--flex-workers", "0", "--long-seqlen", "0", "--gqa-seqlens", "", "--sections", "grid",
+            "--no-progress", "--out", str(tmp_path)]
     assert run.main(argv) == 0
     res = results.load(tmp_path / "results.json")
     assert res["complete"]
