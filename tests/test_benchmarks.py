@@ -415,3 +415,347 @@ def test_run_smoke_on_gpu(tmp_path):
     assert res["complete"]
     assert all(c["passed"] for c in res["checks"] if c["provider"] == "flashattn")
     assert all(m["status"] == "ok" for m in res["measurements"] if m["provider"] == "flashattn")
+
+
+# -- the latency section ----------------------------------------------------------------------------------
+
+from benchmarks import ab, latency, registers, tune  # noqa: E402
+
+
+class QueueModel:
+    """A fake host clock and GPU: each call costs the host ``host_s`` and queues ``gpu_s`` of GPU work;
+    ``sync`` waits until the queue is empty. What a CUDA stream does, with made-up costs (synthetic)."""
+
+    def __init__(self, host_s, gpu_s):
+        self.host_s, self.gpu_s, self.now, self.gpu_free = host_s, gpu_s, 0.0, 0.0
+
+    def clock(self):
+        return self.now
+
+    def call(self):
+        self.now += self.host_s
+        self.gpu_free = max(self.gpu_free, self.now) + self.gpu_s
+
+    def sync(self):
+        self.now = max(self.now, self.gpu_free)
+
+
+@pytest.mark.parametrize("host_us, gpu_us", [(2.0, 5.0), (5.0, 2.0)])
+def test_wall_clock_per_call_is_the_slower_of_host_and_gpu(host_us, gpu_us):
+    model = QueueModel(host_us * 1e-6, gpu_us * 1e-6)
+    timer = latency.WallClock(target_ms=1.0, repeats=3, warmup_calls=2, clock=model.clock)
+    got = timer(model.call, model.sync)
+    n = got["calls"]
+    # About 1 ms of calls per loop (the length is estimated from 3 calls, so a little under).
+    assert 0.8e3 <= n * max(host_us, gpu_us) <= 1.0e3 and got["repeats"] == 3 and len(got["samples_us"]) == 3
+    # Back-to-back calls: the wall time per call is the slower side's (plus one call of the other's latency / n).
+    assert got["us_per_call"] == pytest.approx(max(host_us, gpu_us) + min(host_us, gpu_us) / n, rel=1e-9)
+    assert got["host_us_per_call"] == pytest.approx(host_us)
+
+
+def test_wall_clock_loop_length_is_bounded():
+    timer = latency.WallClock(target_ms=10.0)
+    assert timer.calls_for(1e-3) == 10 and timer.calls_for(1e-4) == 100
+    assert timer.calls_for(0.0) == latency.MAX_CALLS and timer.calls_for(1.0) == latency.MIN_CALLS
+
+
+def test_latency_shapes_follow_the_issue():
+    shapes = latency.make_shapes()
+    assert len(shapes) == 3 * 2 * 2 * 2  # N x (B, H) x D x mask, one dtype
+    assert {s.seqlen for s in shapes} == {128, 512, 1024}
+    assert {s.batch * s.heads for s in shapes} == {16, 128}
+    assert {s.head_dim for s in shapes} == {64, 128} and {s.causal for s in shapes} == {False, True}
+    # Mask outermost: dynamo sees one mask at a time.
+    assert [s.causal for s in shapes] == sorted(s.causal for s in shapes)
+
+
+def tiny_shapes():
+    return latency.make_shapes(dtypes=("float32",), head_dims=(16,), seqlens=(16,), batch_heads=((1, 2),))
+
+
+class RecordingCompile:
+    """A stand-in for torch.compile that records how it was called; ``fail`` makes the compiled call raise."""
+
+    def __init__(self, fail=False):
+        self.calls, self.fail = [], fail
+
+    def __call__(self, fn, **kwargs):
+        self.calls.append(kwargs)
+        if not self.fail:
+            return fn
+
+        def broken(*args):
+            raise RuntimeError("Dynamo does not know how to trace the builtin native_specialize_impl")
+        return broken
+
+
+def run_tiny_latency(provs, compile_fn, **kw):
+    return latency.run_latency(tiny_shapes(), provs, device="cpu", compile_fn=compile_fn,
+                               measure_fn=latency.WallClock(target_ms=0.5, repeats=1, warmup_calls=1),
+                               reset=lambda: None, log=lambda s: None, **kw)
+
+
+def test_latency_runs_every_provider_mode_and_pass():
+    compile_fn = RecordingCompile()
+    recs = run_tiny_latency([providers.PROVIDERS["flashattn"], providers.PROVIDERS["reference"]], compile_fn)
+    assert len(recs) == 2 * 2 * 3 * 2  # shapes (2 masks) x providers x modes x passes
+    assert all(r["status"] == "ok" and r["us_per_call"] > 0 and r["host_us_per_call"] > 0 for r in recs)
+    assert all(r["host_us_per_call"] <= r["us_per_call"] * (1 + 1e-9) for r in recs)  # on a CPU: no queue
+    modes = {kw.get("mode") for kw in compile_fn.calls}
+    assert modes == {None, "reduce-overhead"}
+    assert all(kw["fullgraph"] and kw["dynamic"] for kw in compile_fn.calls)
+    assert len(compile_fn.calls) == 2 * 2 * 2  # shapes x providers x compiled modes: eager is never compiled
+    results.validate_latency(latency.section(tiny_shapes(), [providers.PROVIDERS["reference"]], [
+        r for r in recs if r["provider"] == "reference"], latency.WallClock()), {"reference": {}})
+
+
+def test_latency_records_a_failed_compile_and_goes_on():
+    recs = run_tiny_latency([providers.PROVIDERS["reference"]], RecordingCompile(fail=True))
+    for r in recs:
+        if r["mode"] == "eager":
+            assert r["status"] == "ok"
+        else:
+            assert r["status"] == "error" and "native_specialize_impl" in r["error"]
+
+
+class ContextCounter(providers.Provider):
+    """The reference, with a backend context (like SDPA's) that counts how often it is entered."""
+
+    name, label = "reference", "counting"
+
+    def __init__(self):
+        self.entered = 0
+
+    def latency_parts(self, setting, device, compile_fn):
+        from flashattn.reference import naive_attention
+        import contextlib
+
+        @contextlib.contextmanager
+        def context():
+            self.entered += 1
+            yield
+
+        return providers.LatencyParts(lambda q, k, v: naive_attention(q, k, v, causal=setting.causal)[0],
+                                      context=context)
+
+
+def test_latency_enters_a_backend_context_once_per_shape_not_per_call():
+    prov = ContextCounter()
+    recs = run_tiny_latency([prov], RecordingCompile(), modes=("eager",))
+    assert all(r["status"] == "ok" and r["calls"] >= latency.MIN_CALLS for r in recs)
+    assert prov.entered == len(tiny_shapes())
+
+
+class CompiledOnly(providers.Provider):
+    """Like FlexAttention: the eager column is already a compiled call; compiling again is skipped."""
+
+    name, label = "reference", "compiled only"
+
+    def latency_parts(self, setting, device, compile_fn):
+        fn = providers.PROVIDERS["reference"].prepare(setting, device)
+        return providers.LatencyParts(fn, compiled_modes=False, note="eager = compiled already")
+
+
+def test_latency_skips_compiling_a_provider_twice_and_says_why():
+    compile_fn = RecordingCompile()
+    recs = run_tiny_latency([CompiledOnly()], compile_fn)
+    for r in recs:
+        if r["mode"] == "eager":
+            assert r["status"] == "ok" and r["note"] == "eager = compiled already"
+        else:
+            assert r["status"] == "skipped" and "eager = compiled already" in r["error"]
+    assert compile_fn.calls == []
+
+
+def test_latency_budget_skips_with_a_reason():
+    class Spent(run.Clock):
+        def over(self):
+            return True
+
+    recs = run_tiny_latency([providers.PROVIDERS["reference"]], RecordingCompile(), clock=Spent(1.0))
+    assert recs and all(r["status"] == "skipped" and "time budget" in r["error"] for r in recs)
+
+
+def test_gqa_is_not_a_latency_shape():
+    s = grid.make_setting("float32", 16, True, 16, tokens=32, heads=4, kv_heads=2)
+    with pytest.raises(providers.Unsupported):
+        providers.PROVIDERS["sdpa_flash"].latency_parts(s, "cpu", RecordingCompile())
+
+
+def latency_results(flash_us, sdpa_us):
+    """Synthetic latency records: flashattn and SDPA flash at every tiny shape, every mode and pass."""
+    res = synthetic_results({"checks": [], "measurements": [], "memory": []})
+    res["providers"] = {"flashattn": {"label": "flashattn (ours)"}, "sdpa_flash": {"label": "SDPA flash"}}
+    recs = []
+    for s in latency.make_shapes(dtypes=("bfloat16",), head_dims=(64,), seqlens=(128, 512), batch_heads=((1, 16),)):
+        for mode in latency.MODES:
+            for p in latency.PASSES:
+                for prov, us in (("flashattn", flash_us[mode]), ("sdpa_flash", sdpa_us)):
+                    recs.append({**{k: getattr(s, k) for k in results.SETTING_KEYS}, "provider": prov, "mode": mode,
+                                 "pass": p, "status": "ok", "us_per_call": us, "host_us_per_call": us / 2})
+    res["latency"] = {"config": {"timer": "synthetic", "forward": "f", "fwd_bwd": "fb", "modes": latency.MODE_HOW,
+                                 "target_ms": 1, "repeats": 1}, "records": recs}
+    results.validate(res)
+    return res
+
+
+def test_latency_table_marks_the_targets(tmp_path):
+    res = latency_results({"eager": 30.0, "compile": 25.0, "reduce-overhead": 24.0}, sdpa_us=20.0)
+    table = report.latency_target_table(res)
+    rows = [line for line in table.splitlines() if line.startswith("| bfloat16 | 64 | non-causal | fwd |")]
+    assert rows == ["| bfloat16 | 64 | non-causal | fwd | 1.50× ✓ | 1.25× | 1.20× ✗ (>1.1) |"]
+    paths = report.write_all(res, tmp_path)
+    assert sorted(p.name for p in paths) == ["latency_fwd.png", "latency_fwd_bwd.png", "summary.md"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "#### µs per call, reduce-overhead" in summary
+    assert "| bfloat16 | 64 | causal | 512 | 16 | fwd_bwd | 24.0 (1.20×) | 20.0 |" in summary
+    assert "### TFLOP/s" not in summary  # no grid measured: no grid tables
+
+
+def test_committed_results_render_without_a_latency_section(tmp_path):
+    res = results.load("benchmarks/results/results.json")
+    assert res.get("latency") is None  # schema 1: the section did not exist
+    assert report.latency_plot_files(res, tmp_path) == [] and report.latency_target_table(res) == ""
+    summary = report.summary_markdown(res)
+    assert "Per-call latency" not in summary and "### TFLOP/s" in summary
+
+
+@pytest.mark.parametrize("break_it, words", [
+    (lambda r: r["latency"]["records"][0].__setitem__("mode", "jit"), "mode"),
+    (lambda r: r["latency"]["records"][0].__setitem__("pass", "bwd"), "pass"),
+    (lambda r: r["latency"]["records"][0].__setitem__("us_per_call", 0.0), "us_per_call"),
+    (lambda r: r["latency"]["records"][0].update(status="error"), "error"),
+    (lambda r: r["latency"].pop("config"), "config"),
+])
+def test_latency_validation_rejects(break_it, words):
+    res = latency_results({"eager": 30.0, "compile": 25.0, "reduce-overhead": 24.0}, sdpa_us=20.0)
+    break_it(res)
+    with pytest.raises(ValueError, match=words):
+        results.validate(res)
+
+
+# -- A/B against a git revision ---------------------------------------------------------------------------
+
+def test_compare_is_bitwise():
+    x = torch.randn(3, 4)
+    y = x.clone()
+    y[1, 2] = float("nan")
+    assert ab.compare({"o": y}, {"o": y.clone()})["o"]["bitwise_equal"]  # NaN where both have it: same bits
+    z = x.clone()
+    z[0, 0] = torch.nextafter(z[0, 0], torch.tensor(float("inf")))  # one ulp
+    got = ab.compare({"o": z}, {"o": x})["o"]
+    assert not got["bitwise_equal"] and 0 < got["max_abs_diff"] < 1e-6
+    assert not ab.compare({"o": x.double()}, {"o": x})["o"]["bitwise_equal"]
+
+
+def test_ab_refuses_an_unknown_revision_and_leaves_nothing(monkeypatch, tmp_path):
+    monkeypatch.setattr(ab.tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(ValueError, match="no-such-rev"):
+        ab.run_ab("no-such-rev", [], device="cpu", timer="wall")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ab_against_head_on_cpu(monkeypatch, tmp_path):
+    # Two worker processes, the working tree's flashattn and HEAD's exported copy, on the reference path.
+    monkeypatch.setattr(ab.tempfile, "tempdir", str(tmp_path))
+    s = grid.make_setting("float32", 16, True, 16, tokens=16, hidden=32)
+    lines = []
+    out = ab.run_ab("HEAD", [s], device="cpu", timer="wall", repeats=2, log=lines.append)
+    assert list(tmp_path.iterdir()) == []  # the exported revision is gone
+    assert out["new"]["flashattn_file"] == str(ab.REPO / "flashattn")
+    assert out["base"]["flashattn_file"].startswith(str(tmp_path)) and out["base"]["commit"] == ab.resolve("HEAD")
+    assert out["same_sources"] == (run.sources_sha256(ab.REPO / "flashattn") == out["base"]["sources_sha256"])
+    (row,) = out["rows"]
+    assert set(row["outputs"]) == {"o", "dq", "dk", "dv"}
+    if out["same_sources"]:
+        assert row["bitwise_equal"]
+    for side in ("new", "base"):
+        for p in ("fwd", "bwd"):
+            t = row["timings"][side][p]
+            assert len(t["samples"]) == 2 and t["ms"] > 0 and t["tflops"] > 0
+    assert ab.speedup(row, "fwd") == pytest.approx(row["timings"]["base"]["fwd"]["ms"] / row["timings"]["new"]["fwd"]["ms"])
+    assert "outputs bitwise equal" in lines[-1] or not out["same_sources"]
+
+
+# -- tuning sweeps ----------------------------------------------------------------------------------------
+
+def pins_timer(seen):
+    """A fake timer that records what the tuning context and the autograd engine look like during the call."""
+    from flashattn import _config
+
+    def timer(fn, grad_to_none=None):
+        t = _config.current_tuning()
+        seen.append((dict(t.configs), t.heads_per_group, t.overlap_dq, torch.autograd.is_multithreading_enabled()))
+        return fake_timer(fn, grad_to_none)
+    return timer
+
+
+def test_config_sweep_pins_one_kernel_per_variant():
+    from flashattn import _config
+
+    s = grid.make_setting("float32", 16, False, 16, tokens=16, hidden=32)
+    space = {16: {"fwd": [[32, 16, 4, 1]], "bwd_dq": [[16, 16, 4, 1], [64, 16, 4, 1]]}}
+    seen = []
+    rows = tune.sweep([s], lambda st: tune.config_variants(st, "cpu", ("fwd", "bwd_dq"), space), device="cpu",
+                      timer=pins_timer(seen), log=lambda x: None)
+    assert [r["variant"] for r in rows] == ["table", "fwd (32, 16, 4, 1)", "bwd_dq (16, 16, 4, 1)",
+                                            "bwd_dq (64, 16, 4, 1)"]
+    assert set(rows[0]) >= {"fwd", "bwd"} and "bwd" not in rows[1] and "fwd" not in rows[2]
+    assert [pins for pins, *_ in seen] == [{}, {}, {"fwd": _config.KernelConfig(32, 16, 4, 1)},
+                                           {"bwd_dq": _config.KernelConfig(16, 16, 4, 1)},
+                                           {"bwd_dq": _config.KernelConfig(64, 16, 4, 1)}]
+    # The backward must run on the calling thread, or the pin would not reach it on a GPU.
+    assert not any(multithreaded for *_, multithreaded in seen)
+    assert _config.current_tuning().configs == {}  # restored after the sweep
+
+
+def test_config_sweep_defaults_to_the_package_neighbourhood():
+    s = grid.make_setting("float32", 16, True, 16, tokens=16, hidden=32)
+    variants = tune.config_variants(s, "cpu")
+    assert variants[0][0] == "table"
+    per_kernel = {k: [kw[k] for _, kw, _ in variants[1:] if k in kw] for k in tune.KERNEL_PASS}
+    from flashattn import _config
+    for kernel, cfgs in per_kernel.items():
+        assert cfgs == _config.tuning_space(kernel, 16, torch.device("cpu"), True, 16)
+
+
+def test_order_and_overlap_sweeps_set_their_switch():
+    s = grid.make_setting("float32", 16, True, 16, tokens=16, hidden=32)
+    seen = []
+    tune.sweep([s], lambda st: tune.order_variants((1, 4)), device="cpu", timer=pins_timer(seen), log=lambda x: None)
+    assert [g for _, g, _, _ in seen] == [None, None, 1, 1, 4, 4]  # auto, G=1, G=4; fwd and bwd each
+    seen.clear()
+    rows = tune.sweep([s], lambda st: tune.overlap_variants(), device="cpu", timer=pins_timer(seen),
+                      peers=("reference",), log=lambda x: None)
+    assert [o for _, _, o, _ in seen] == [True, False, True, True]  # overlap, serial, then the peer's 2 passes
+    assert [r["variant"] for r in rows] == ["overlap_dq", "serial", "reference"]
+
+
+def test_sweep_records_a_config_that_fails():
+    s = grid.make_setting("float32", 16, False, 16, tokens=16, hidden=32)
+
+    def timer(fn, grad_to_none=None):
+        from flashattn import _config
+        if _config.current_tuning().configs:
+            raise RuntimeError("out of resource: shared memory")
+        return fake_timer(fn, grad_to_none)
+
+    rows = tune.sweep([s], lambda st: tune.config_variants(st, "cpu", ("fwd",), {16: {"fwd": [[256, 256, 8, 4]]}}),
+                      device="cpu", timer=timer, log=lambda x: None)
+    assert "error" not in rows[0] and rows[1]["status"] == "error" and "shared memory" in rows[1]["error"]
+
+
+def test_profile_lists_what_ran(tmp_path):
+    s = grid.make_setting("float32", 16, True, 16, tokens=16, hidden=32)
+    rows = tune.profile([s], device="cpu", calls=2, log=lambda x: None)
+    assert rows and all(r["us"] > 1 for r in rows)
+    assert any("mm" in r["kernel"] or "matmul" in r["kernel"] for r in rows)
+
+
+def test_registers_covers_every_table_entry():
+    jobs = registers.jobs()
+    assert {(kernel, d, causal) for kernel, _, d, _, causal, _ in jobs} == {
+        (kernel, d, causal) for kernel in tune.KERNEL_PASS for d in (16, 64, 72, 128, 256) for causal in (False, True)}
+    extra = registers.jobs([(64, 128, 8, 3)])[len(jobs):]
+    assert [(kernel, cfg.block_m, cfg.block_n) for kernel, *_, cfg in extra] == [
+        (kernel, 64, 128) for kernel in tune.KERNEL_PASS]
