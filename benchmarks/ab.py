@@ -3,12 +3,16 @@
     PYTHONPATH=. python -m benchmarks.ab HEAD~1                          # working tree vs HEAD~1
     PYTHONPATH=. python -m benchmarks.ab 22bf7d9 --new HEAD --head-dims 128 --seqlens 2048,16384
     PYTHONPATH=. python -m benchmarks.ab HEAD --latency                  # per-call time instead of TFLOP/s
+    PYTHONPATH=. python -m benchmarks.ab HEAD~1 --export ab-base         # on a checkout with git history, then
+    PYTHONPATH=. python -m benchmarks.ab ab-base                         # on a copy without it (e.g. a GPU box)
 
 How it works:
 
 1. The baseline's ``flashattn/`` is exported from git (``git archive REV flashattn``) into a temporary
    folder; so is the new side's when ``--new`` names a revision (by default the new side is the
-   working tree, uncommitted changes included). Nothing in the checkout is touched.
+   working tree, uncommitted changes included). Nothing in the checkout is touched. Where the copy of
+   the checkout has no git history, ``--export DIR`` writes the baseline beforehand, and ``DIR`` is
+   then given as the baseline.
 2. Each side runs in its own worker process that imports *that* copy of ``flashattn`` (its folder first
    on ``sys.path``; the worker checks ``flashattn.__file__`` and reports a hash of its sources) and the
    harness's own ``benchmarks`` (inputs, providers, timer, FLOP count) from this checkout. Two copies of
@@ -237,15 +241,31 @@ class Side:
 
 # -- the parent ---------------------------------------------------------------------------------------------
 
+def exported(path) -> tuple[Path, str | None] | None:
+    """(folder, commit) when ``path`` is a folder made by ``--export`` (or any folder holding a
+    ``flashattn`` package), else None."""
+    root = Path(path)
+    if not (root / "flashattn" / "__init__.py").is_file():
+        return None
+    commit_file = root / "COMMIT"
+    return root, commit_file.read_text().strip() if commit_file.is_file() else None
+
+
 def run_ab(base_rev: str, settings, *, new_rev: str | None = None, peers=(), passes=("fwd", "bwd"), repeats=3,
            device="cuda", timer="do_bench", warmup_ms=25, rep_ms=100, latency_target_ms=10.0, log=print) -> dict:
-    """Time flashattn of the working tree (or ``new_rev``) against ``base_rev`` on ``settings``."""
-    base_commit = resolve(base_rev)
+    """Time flashattn of the working tree (or ``new_rev``) against ``base_rev`` on ``settings``.
+
+    ``base_rev`` is a git revision, or a folder written by ``python -m benchmarks.ab REV --export DIR``
+    (for a machine whose copy of the checkout has no git history); such a folder is used as it is and
+    left in place.
+    """
+    given = exported(base_rev) if os.path.isdir(base_rev) else None
+    base_commit = given[1] if given else resolve(base_rev)
     new_commit = resolve(new_rev) if new_rev else None
     tmp = Path(tempfile.mkdtemp(prefix="flashattn-ab-"))
     sides = []
     try:
-        base_root = export_package(base_commit, tmp / "base")
+        base_root = given[0].resolve() if given else export_package(base_commit, tmp / "base")
         new_root = export_package(new_commit, tmp / "new") if new_commit else REPO
         kw = dict(device=device, timer=timer, warmup_ms=warmup_ms, rep_ms=rep_ms, latency_target_ms=latency_target_ms)
         sides = [Side("new", new_root, **kw), Side("base", base_root, **kw)]
@@ -255,7 +275,7 @@ def run_ab(base_rev: str, settings, *, new_rev: str | None = None, peers=(), pas
                "same_sources": base.hello["sources_sha256"] == new.hello["sources_sha256"],
                "passes": list(passes), "repeats": repeats, "timer": timer, "peers": list(peers), "rows": []}
         log(f"new: {out['new']['rev']} ({new.hello['flashattn_file']}, sources {new.hello['sources_sha256'][:12]}); "
-            f"base: {base_rev} = {base_commit[:12]} (sources {base.hello['sources_sha256'][:12]})")
+            f"base: {base_rev} = {str(base_commit)[:12]} (sources {base.hello['sources_sha256'][:12]})")
         for index, setting in enumerate(settings):
             out["rows"].append(_one_setting(setting, index, new, base, peers, passes, repeats, tmp, log))
         return out
@@ -345,7 +365,11 @@ def main(argv=None) -> int:
     from benchmarks import grid as grid_mod
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__.split("\n\n")[0])
-    ap.add_argument("base", help="the baseline: any git revision (HEAD, HEAD~1, a commit, a branch)")
+    ap.add_argument("base", help="the baseline: any git revision (HEAD, HEAD~1, a commit, a branch), or a folder "
+                                 "written by --export")
+    ap.add_argument("--export", metavar="DIR",
+                    help="only write the baseline's flashattn/ (and a COMMIT file) to DIR and exit: for a machine "
+                         "whose copy of the checkout has no git history (pass DIR as the baseline there)")
     ap.add_argument("--new", help="a revision for the new side (default: the working tree as it is)")
     ap.add_argument("--dtypes", default="float16")
     ap.add_argument("--head-dims", default="64,128")
@@ -367,6 +391,19 @@ def main(argv=None) -> int:
 
     from benchmarks.run import _CAUSAL, _ints, _strs
 
+    if args.export:
+        try:
+            commit = resolve(args.base)
+            dest = Path(args.export)
+            if dest.exists() and any(dest.iterdir()):
+                raise ValueError(f"{dest} exists and is not empty")
+            export_package(commit, dest)
+        except ValueError as exc:
+            print(f"benchmarks.ab: {exc}", file=sys.stderr)
+            return 2
+        (dest / "COMMIT").write_text(commit + "\n")
+        print(f"wrote {dest}/flashattn of {args.base} = {commit}")
+        return 0
     if args.device == "cuda":
         import torch
 

@@ -211,12 +211,18 @@ def _measure_shape(setting, provider, mode, passes, *, device, measure_fn, compi
     return out
 
 
-def section(shapes, providers, records, measure_fn, *, elapsed_s=None) -> dict:
-    """The ``latency`` entry of the results file."""
+def section(shapes, providers, records, measure_fn, *, elapsed_s=None, environment=None, argv=None) -> dict:
+    """The ``latency`` entry of the results file (with the environment of the run that measured it,
+    which differs from the file's own when the section was added by a later ``--update`` run)."""
     cfg = {"shapes": [s.to_dict() for s in shapes], "providers": [p.name for p in providers],
            "forward": FWD_HOW, "fwd_bwd": FWD_BWD_HOW, "modes": MODE_HOW}
     describe = getattr(measure_fn, "describe", None)
     cfg.update(describe() if describe else {"timer": "injected"})
     if elapsed_s is not None:
         cfg["elapsed_s"] = elapsed_s
-    return {"config": cfg, "records": records}
+    if argv is not None:
+        cfg["argv"] = list(argv)
+    out = {"config": cfg, "records": records}
+    if environment is not None:
+        out["environment"] = environment
+    return out

@@ -368,8 +368,16 @@ def _latency_markdown(results) -> list[str]:
     index = _latency_index(results)
     rat = latency_ratios(results)
     n0, bh0 = LATENCY_TARGET_SHAPE
+    env, lat_env = results["environment"], lat.get("environment")
+    measured = ""
+    if lat_env and (lat_env.get("date"), lat_env.get("flashattn_sources_sha256")) != (
+            env.get("date"), env.get("flashattn_sources_sha256")):
+        measured = (f"Measured in a separate run on **{lat_env.get('gpu')}** with torch {lat_env.get('torch')} and "
+                    f"triton {lat_env.get('triton')}, {lat_env.get('date')}, git commit "
+                    f"`{str(lat_env.get('git_commit'))[:12]}`, sources SHA-256 "
+                    f"`{str(lat_env.get('flashattn_sources_sha256'))[:16]}`. ")
     out = ["", "### Per-call latency at small shapes", "",
-           f"Time per call as a user sees it, host and GPU together: {cfg.get('timer', '')}; loops of about "
+           measured + f"Time per call as a user sees it, host and GPU together: {cfg.get('timer', '')}; loops of about "
            f"{cfg.get('target_ms', '—')} ms, {cfg.get('repeats', '—')} repeats. Forward: {cfg['forward']}. "
            f"Forward + backward: {cfg['fwd_bwd']}. Modes: "
            + "; ".join(f"`{m}` = {how}" for m, how in cfg["modes"].items() if m in modes) + ".",

@@ -366,6 +366,9 @@ def parse_args(argv):
     lat.add_argument("--latency-repeats", type=int, default=latency_mod.REPEATS)
     lat.add_argument("--latency-budget-s", type=float, default=0,
                      help="stop starting new latency measurements after this many seconds of the section (0: no limit)")
+    ap.add_argument("--update", action="store_true",
+                    help="keep the sections of an existing results.json in --out that this run does not measure "
+                         "(e.g. add the latency section to a grid run made before)")
     ap.add_argument("--no-report", action="store_true", help="skip the plots and summary.md")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -439,6 +442,8 @@ def main(argv=None) -> int:
     grid_desc = grid_mod.grid_description(**grid_kw) if do_grid else None
     results = results_mod.new_results(environment=env, config=config, grid=grid_desc,
                                       providers={p.name: p.describe() for p in dict.fromkeys(chosen + lat_providers)})
+    if args.update and json_path.exists():
+        _keep_other_sections(results, results_mod.load(json_path), args.sections)
 
     def save_partial(partial=None):
         results.update(partial or {})
@@ -460,7 +465,8 @@ def main(argv=None) -> int:
                                           passes=_strs(args.latency_passes), measure_fn=timer, clock=lat_clock,
                                           log=lambda s: print(s, flush=True))
         results["latency"] = latency_mod.section(shapes, lat_providers, records, timer,
-                                                 elapsed_s=lat_clock.elapsed())
+                                                 elapsed_s=lat_clock.elapsed(), environment=env,
+                                                 argv=config["argv"])
     skipped = [m for m in results["measurements"] + ((results["latency"] or {}).get("records") or [])
                if "time budget" in (m.get("error") or "")]
     results["complete"] = not skipped
@@ -486,6 +492,21 @@ def main(argv=None) -> int:
         if do_latency:
             print(report.latency_target_table(results), flush=True)
     return 0
+
+
+GRID_KEYS = ("environment", "config", "grid", "checks", "measurements", "memory", "long_context")
+
+
+def _keep_other_sections(results: dict, old: dict, sections) -> None:
+    """Carry over from ``old`` what this run does not measure: the grid (with the environment and the
+    configuration it was measured with) and/or the latency section (which holds its own environment)."""
+    if "grid" not in sections:
+        argv = results["config"]["argv"]
+        results.update({k: old[k] for k in GRID_KEYS if k in old})
+        results["config"] = {**old["config"], "update_argv": argv}
+    if "latency" not in sections:
+        results["latency"] = old.get("latency")
+    results["providers"] = {**old["providers"], **results["providers"]}
 
 
 def _run_grid_section(args, settings, chosen, device, clock, results, save_partial):

@@ -5,6 +5,7 @@ folder): these tests check the harness's code paths, never a performance claim.
 """
 
 import copy
+import subprocess
 import json
 
 import pytest
@@ -759,3 +760,52 @@ def test_registers_covers_every_table_entry():
     extra = registers.jobs([(64, 128, 8, 3)])[len(jobs):]
     assert [(kernel, cfg.block_m, cfg.block_n) for kernel, *_, cfg in extra] == [
         (kernel, 64, 128) for kernel in tune.KERNEL_PASS]
+
+
+def test_update_adds_the_latency_section_to_an_earlier_grid_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(run, "DEVICE", "cpu")
+    monkeypatch.setattr(measure, "do_bench_timer", lambda warmup, rep: fake_timer)
+    monkeypatch.setattr(measure, "cuda_peak_memory", lambda fn, inputs: 2**20)
+    common = ["--providers", "reference", "--no-progress", "--out", str(tmp_path)]
+    monkeypatch.setattr(run, "environment", lambda device: dict(SYNTHETIC_ENV, date="grid run"))
+    assert run.main(["--sections", "grid", "--dtypes", "float32", "--head-dims", "16", "--seqlens", "16",
+                     "--gqa-seqlens", "", "--tokens", "32", "--hidden", "32", "--long-seqlen", "0", *common]) == 0
+    grid_run = results.load(tmp_path / "results.json")
+    monkeypatch.setattr(run, "environment", lambda device: dict(SYNTHETIC_ENV, date="latency run"))
+    assert run.main(["--sections", "latency", "--update", "--latency-modes", "eager", "--latency-passes", "fwd",
+                     "--latency-dtypes", "float32", "--latency-head-dims", "16", "--latency-seqlens", "16",
+                     "--latency-batch-heads", "1x2", "--latency-causal", "true", "--latency-target-ms", "1",
+                     "--latency-repeats", "1", *common]) == 0
+    both = results.load(tmp_path / "results.json")
+    for key in ("environment", "grid", "checks", "measurements", "memory"):
+        assert both[key] == grid_run[key], key
+    assert both["config"]["argv"] == grid_run["config"]["argv"] and "--update" in both["config"]["update_argv"]
+    assert both["latency"]["environment"]["date"] == "latency run" and len(both["latency"]["records"]) == 1
+    summary = (tmp_path / "summary.md").read_text()
+    assert "### TFLOP/s" in summary and "Measured in a separate run" in summary
+    # Without --update the file holds only what this run measured.
+    assert run.main(["--sections", "latency", "--latency-modes", "eager", "--latency-passes", "fwd",
+                     "--latency-dtypes", "float32", "--latency-head-dims", "16", "--latency-seqlens", "16",
+                     "--latency-batch-heads", "1x2", "--latency-causal", "true", "--latency-target-ms", "1",
+                     "--latency-repeats", "1", *common]) == 0
+    assert results.load(tmp_path / "results.json")["measurements"] == []
+
+
+def test_ab_export_then_compare_from_the_folder(tmp_path, monkeypatch):
+    dest = tmp_path / "ab-base"
+    assert ab.main(["HEAD", "--export", str(dest)]) == 0
+    assert (dest / "COMMIT").read_text().strip() == ab.resolve("HEAD")
+    if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "flashattn"], cwd=ab.REPO).returncode == 0:
+        assert run.sources_sha256(dest / "flashattn") == run.sources_sha256(ab.REPO / "flashattn")
+    assert ab.main(["HEAD", "--export", str(dest)]) == 2  # never writes over a folder
+    monkeypatch.setattr(ab.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    s = grid.make_setting("float32", 16, False, 16, tokens=16, hidden=32)
+    out = ab.run_ab(str(dest), [s], device="cpu", timer="wall", repeats=1, log=lambda x: None)
+    assert out["base"]["commit"] == ab.resolve("HEAD")
+    assert out["base"]["flashattn_file"] == str((dest / "flashattn").resolve())
+    assert (dest / "flashattn" / "__init__.py").is_file()  # a given folder is left in place
+    assert list((tmp_path / "tmp").iterdir()) == []
+    if out["same_sources"]:
+        assert out["rows"][0]["bitwise_equal"]
