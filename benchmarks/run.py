@@ -78,6 +78,7 @@ def run_grid(settings, providers, *, device, timer, peak_memory, clock=None, pro
     clock = clock or Clock(None)
     out = {"checks": [], "measurements": [], "memory": []}
     checked_groups = set()
+    failed_first = {}  # (provider, group) -> why the rest of the group is skipped
     for index, setting in enumerate(settings):
         do_check = setting.group not in checked_groups
         checked_groups.add(setting.group)
@@ -88,11 +89,19 @@ def run_grid(settings, providers, *, device, timer, peak_memory, clock=None, pro
             if progress is not None:
                 progress.set_postfix_str(f"{setting.label()} {provider.name}", refresh=False)
             reason = provider.skip_reason(setting)
+            if reason is None and (provider.name, setting.group) in failed_first:
+                reason = failed_first[(provider.name, setting.group)]
             if reason is None and clock.over():
                 reason = f"time budget of {clock.budget_s:.0f} s spent before this setting"
             if reason is None:
-                _measure_one(setting, provider, inputs, refs, device=device, timer=timer, peak_memory=peak_memory,
-                             do_check=do_check, out=out, line=line)
+                failure = _measure_one(setting, provider, inputs, refs, device=device, timer=timer,
+                                       peak_memory=peak_memory, do_check=do_check, out=out, line=line)
+                # A provider that cannot even make its first call (a compile error, a refused head dim)
+                # is not retried at the longer lengths of the group: each attempt can cost a compile.
+                # Out of memory is not carried over: a shorter length may fit where a longer one did not.
+                if failure is not None and failure[0] in ("error", "unsupported"):
+                    failed_first[(provider.name, setting.group)] = (
+                        f"not retried: {failure[0]} at N = {setting.seqlen} of this group: {failure[1][:300]}")
             else:
                 for p in results_mod.PASSES:
                     out["measurements"].append(_record(setting, provider, **{"pass": p}, status="skipped", error=reason))
@@ -109,7 +118,9 @@ def run_grid(settings, providers, *, device, timer, peak_memory, clock=None, pro
 
 
 def _measure_one(setting, provider, inputs, refs, *, device, timer, peak_memory, do_check, out, line):
-    """Prepare, check (where due), time both passes and take the memory of one provider at one setting."""
+    """Prepare, check (where due), time both passes and take the memory of one provider at one setting.
+
+    Returns (status, message) when the provider could not make its first call, else None."""
     failure = None  # (status, message) once a step fails: the later steps are not attempted
     prepare_s = None
     with warnings.catch_warnings(record=True) as caught:
@@ -175,6 +186,7 @@ def _measure_one(setting, provider, inputs, refs, *, device, timer, peak_memory,
         line.append(f"{provider.name} {times.get('fwd', 0):.0f}/{times.get('bwd', 0):.0f}")
     elif failure is not None:
         line.append(f"{provider.name} {failure[0]}")
+    return failure
 
 
 def long_context(device, *, seqlen: int, head_dim: int, dtype: str) -> dict:

@@ -189,10 +189,16 @@ def test_loop_records_every_setting_provider_and_pass(tiny):
 
 def test_loop_records_failures_instead_of_crashing(tiny):
     for m in tiny["measurements"]:
+        # The first length of a group is attempted; the longer ones are not retried, and say why.
         if m["provider"] == "boom" and m["head_dim"] == 16:
-            assert m["status"] == "error" and "boom" in m["error"]
+            if m["seqlen"] == 16:
+                assert m["status"] == "error" and "boom" in m["error"]
+            else:
+                assert m["status"] == "skipped" and m["error"].startswith("not retried: error at N = 16")
+                assert "boom" in m["error"]
         if m["provider"] == "nokernel" and m["head_dim"] == 16:
-            assert m["status"] == "unsupported" and "No available kernel" in m["error"]
+            expected = "unsupported" if m["seqlen"] == 16 else "skipped"
+            assert m["status"] == expected and "No available kernel" in m["error"]
         if m["head_dim"] == 32:  # ours only: flashattn and the reference run, the rest are skipped
             if m["provider"] in ("flashattn", "reference"):
                 assert m["status"] == "ok"
@@ -231,6 +237,24 @@ def test_results_are_handed_over_after_every_setting(tiny_run):
 def test_failures_are_classified(exc, status):
     got, message = measure.classify_error(exc)
     assert got == status and type(exc).__name__ in message
+
+
+def test_out_of_memory_is_retried_at_the_next_length():
+    class OOMAtFirst(providers.Provider):
+        name, label = "oomfirst", "out of memory at N = 16 only"
+
+        def prepare(self, setting, device):
+            from flashattn.reference import naive_attention
+
+            def fn(q, k, v):
+                if q.shape[2] == 16:
+                    raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+                return naive_attention(q, k, v, causal=setting.causal)[0]
+            return fn
+
+    out = run.run_grid(tiny_grid()[:2], [OOMAtFirst()], device="cpu", timer=fake_timer,
+                       peak_memory=lambda fn, inputs: 1, log=lambda s: None)
+    assert [m["status"] for m in out["measurements"]] == ["oom", "oom", "ok", "ok"]
 
 
 def test_time_budget_skips_the_rest_with_a_reason():
