@@ -28,16 +28,20 @@ CHECK_FLOOR = 1e-5
 
 
 def make_inputs(setting, device, *, seed: int = 0):
-    """Fresh random q, k, v (requiring grad) and dO of the setting's shape: never zeros."""
+    """Fresh random q, k, v (requiring grad) and dO of the setting's shape: never zeros.
+
+    k and v have ``setting.h_kv`` heads; the same seed gives the same tensors in every process.
+    """
     gen = torch.Generator(device=device).manual_seed(seed)
-    shape = (setting.batch, setting.heads, setting.seqlen, setting.head_dim)
+    q_shape = (setting.batch, setting.heads, setting.seqlen, setting.head_dim)
+    kv_shape = (setting.batch, setting.h_kv, setting.seqlen, setting.head_dim)
     dtype = DTYPES[setting.dtype]
 
-    def randn():
+    def randn(shape):
         return torch.randn(shape, dtype=dtype, device=device, generator=gen)
 
-    q, k, v = (randn().requires_grad_() for _ in range(3))
-    return q, k, v, randn()
+    q, k, v = (randn(shape).requires_grad_() for shape in (q_shape, kv_shape, kv_shape))
+    return q, k, v, randn(q_shape)
 
 
 def attention_flops(setting, mode: str) -> float:

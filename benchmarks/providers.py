@@ -1,8 +1,17 @@
 """Who is measured: flashattn and its peers, each as ``prepare(setting, device) -> fn(q, k, v) -> o``.
 
-Every ``fn`` takes q, k, v of shape (B, H, N, D), applies the default scale 1/sqrt(D), and returns o
-with an autograd graph, so the same calls time the forward and (through ``o.backward``) the backward.
-A provider that cannot run a setting raises; :mod:`benchmarks.run` records the error and goes on.
+Every ``fn`` takes q of shape (B, Hq, N, D) and k, v of shape (B, Hkv, N, D), applies the default
+scale 1/sqrt(D), and returns o with an autograd graph, so the same calls time the forward and
+(through ``o.backward``) the backward. A provider that cannot run a setting raises;
+:mod:`benchmarks.run` records the error and goes on.
+
+Grouped-query attention (Hq > Hkv): flashattn and FlexAttention take the Hkv heads as they are
+(``enable_gqa=True`` for Flex); an SDPA backend gets ``enable_gqa=True`` when it accepts it, and
+otherwise k and v repeated to Hq heads (``repeat_interleave``, inside the timed call, as a user of
+that backend would have to); the ``gqa`` field of each record says which.
+
+For the latency section (:mod:`benchmarks.latency`) each provider also hands out its call in parts,
+:meth:`Provider.latency_parts`, so the section can wrap the same call in ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -14,11 +23,23 @@ class Unsupported(RuntimeError):
     """The provider cannot run this setting (recorded as ``unsupported``, never as a zero)."""
 
 
+class LatencyParts:
+    """What :mod:`benchmarks.latency` needs to call a provider: ``inner(q, k, v, *extras) -> o``, a
+    plain function that ``torch.compile`` may trace; ``extras`` (tensors made once per shape, e.g. a
+    block mask); ``context()`` entered around a whole timing loop (an SDPA backend choice), or None;
+    ``eager`` the call of the eager mode when it is not ``inner`` itself (FlexAttention is only ever
+    called compiled); ``compiled_modes`` False when compiling the call adds nothing to ``eager``."""
+
+    def __init__(self, inner, extras=(), context=None, eager=None, compiled_modes=True, note=""):
+        self.inner, self.extras, self.context = inner, tuple(extras), context
+        self.eager, self.compiled_modes, self.note = eager or inner, compiled_modes, note
+
+
 class Provider:
     name = ""
     label = ""
     ours = False
-    # False: measured only where ``Setting.peers`` is True (the peers do not run D = 256 here).
+    # False: measured only where ``Setting.peers`` is True.
     runs_ours_only_settings = False
 
     def skip_reason(self, setting) -> str | None:
@@ -29,6 +50,11 @@ class Provider:
 
     def prepare(self, setting, device):
         raise NotImplementedError
+
+    def latency_parts(self, setting, device, compile_fn) -> LatencyParts:
+        """The call in parts for :mod:`benchmarks.latency`; ``compile_fn`` is ``torch.compile`` or a stand-in."""
+        fn = self.prepare(setting, device)
+        return LatencyParts(lambda q, k, v: fn(q, k, v))
 
     def describe(self) -> dict:
         return {"label": self.label, "ours": self.ours, "how": " ".join((self.__doc__ or "").split())}
@@ -42,11 +68,23 @@ class FlashAttn(Provider):
     def prepare(self, setting, device):
         import flashattn
 
-        return functools.partial(flashattn.attention, causal=setting.causal)
+        fn = functools.partial(flashattn.attention, causal=setting.causal)
+        fn.gqa = "native" if setting.gqa else None
+        return fn
+
+    def latency_parts(self, setting, device, compile_fn) -> LatencyParts:
+        import flashattn
+
+        causal = setting.causal
+
+        def inner(q, k, v):
+            return flashattn.attention(q, k, v, causal=causal)
+
+        return LatencyParts(inner)
 
 
 class SDPA(Provider):
-    """torch.nn.functional.scaled_dot_product_attention restricted to one backend by torch.nn.attention.sdpa_kernel."""
+    """torch.nn.functional.scaled_dot_product_attention restricted to one backend by torch.nn.attention.sdpa_kernel; GQA by enable_gqa=True where the backend takes it, else K/V repeated."""
 
     def __init__(self, name: str, label: str, backend: str):
         self.name, self.label, self.backend = name, label, backend
@@ -54,19 +92,66 @@ class SDPA(Provider):
     def describe(self) -> dict:
         return {**super().describe(), "backend": f"SDPBackend.{self.backend}"}
 
+    def _backend(self):
+        from torch.nn.attention import SDPBackend
+
+        return getattr(SDPBackend, self.backend)
+
+    def _accepts_gqa(self, setting, device) -> bool:
+        """Whether the backend runs ``enable_gqa=True`` at this head layout (a tiny probe call)."""
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import sdpa_kernel
+
+        from benchmarks.measure import DTYPES
+
+        dtype = DTYPES[setting.dtype]
+        q = torch.randn(1, setting.heads, 128, setting.head_dim, device=device, dtype=dtype)
+        kv = torch.randn(1, setting.h_kv, 128, setting.head_dim, device=device, dtype=dtype)
+        try:
+            with sdpa_kernel(self._backend()):
+                F.scaled_dot_product_attention(q, kv, kv, is_causal=setting.causal, enable_gqa=True)
+            return True
+        except RuntimeError:  # "No available kernel": this backend does not take enable_gqa here
+            return False
+
     def prepare(self, setting, device):
         import torch.nn.functional as F
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention import sdpa_kernel
 
-        backend = getattr(SDPBackend, self.backend)
+        backend = self._backend()
         causal = setting.causal
+        group = setting.heads // setting.h_kv
+        gqa = None
+        if group > 1:
+            gqa = "enable_gqa=True" if self._accepts_gqa(setting, device) else "k, v repeated (repeat_interleave)"
 
         def fn(q, k, v):
             # The backend is chosen when the forward runs; its backward node is fixed in the graph.
             with sdpa_kernel(backend):
+                if gqa == "enable_gqa=True":
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+                if gqa is not None:
+                    k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
+        fn.gqa = gqa
         return fn
+
+    def latency_parts(self, setting, device, compile_fn) -> LatencyParts:
+        import torch.nn.functional as F
+        from torch.nn.attention import sdpa_kernel
+
+        if setting.gqa:
+            raise Unsupported("the latency section measures plain attention only")
+        backend, causal = self._backend(), setting.causal
+
+        def inner(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        # The backend flags are global state: set once around the timing loop (and the compile),
+        # as a user who picks a backend for a model does, not entered again at every call.
+        return LatencyParts(inner, context=lambda: sdpa_kernel(backend))
 
 
 def _causal_mask_mod(b, h, q_idx, kv_idx):
@@ -74,7 +159,7 @@ def _causal_mask_mod(b, h, q_idx, kv_idx):
 
 
 class Flex(Provider):
-    """torch.nn.attention.flex_attention.flex_attention under torch.compile(dynamic=False), one compile per shape; causal runs take a block mask from create_block_mask so fully masked blocks are skipped."""
+    """torch.nn.attention.flex_attention.flex_attention under torch.compile(dynamic=False), one compile per shape; causal runs take a block mask from create_block_mask so fully masked blocks are skipped; GQA by enable_gqa=True."""
 
     name, label = "flex", "FlexAttention (compiled)"
 
@@ -82,25 +167,62 @@ class Flex(Provider):
         import torch
         import torch._dynamo
         import torch._functorch.config
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import flex_attention
 
         # One compiled graph alive at a time: the guards of every earlier shape would otherwise be
         # checked on each call (and past the recompile limit dynamo falls back to eager).
         torch._dynamo.reset()
-        # The backward is timed as o.backward(do, retain_graph=True); AOTAutograd refuses
-        # retain_graph for a backward compiled with donated buffers.
-        if hasattr(torch._functorch.config, "donated_buffer"):
-            torch._functorch.config.donated_buffer = False
+        _allow_retain_graph()
         compiled = torch.compile(flex_attention, dynamic=False)
-        block_mask = None
-        if setting.causal:
-            n = setting.seqlen
-            block_mask = create_block_mask(_causal_mask_mod, None, None, n, n, device=device)
+        block_mask = self._block_mask(setting, device)
+        gqa = bool(setting.gqa)
 
         def fn(q, k, v):
-            return compiled(q, k, v, block_mask=block_mask)
+            return compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 
+        fn.gqa = "enable_gqa=True" if gqa else None
         return fn
+
+    @staticmethod
+    def _block_mask(setting, device):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        if not setting.causal:
+            return None
+        n = setting.seqlen
+        return create_block_mask(_causal_mask_mod, None, None, n, n, device=device)
+
+    def latency_parts(self, setting, device, compile_fn) -> LatencyParts:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        if setting.gqa:
+            raise Unsupported("the latency section measures plain attention only")
+        _allow_retain_graph()
+        block_mask = self._block_mask(setting, device)
+        extras = () if block_mask is None else (block_mask,)
+
+        def inner(q, k, v, *block_mask):
+            return flex_attention(q, k, v, block_mask=block_mask[0] if block_mask else None)
+
+        # Eager FlexAttention is a slow reference path: flex_attention is meant to be called compiled,
+        # so the eager column holds the compiled flex_attention called from eager code (as in the grid),
+        # and compiling the whole call with fullgraph=True would compile the same graph again.
+        compiled = compile_fn(flex_attention, dynamic=True)
+
+        def eager(q, k, v, *block_mask):
+            return compiled(q, k, v, block_mask=block_mask[0] if block_mask else None)
+
+        return LatencyParts(inner, extras, eager=eager, compiled_modes=False,
+                            note="eager = torch.compile(flex_attention, dynamic=True) called from eager code")
+
+
+def _allow_retain_graph():
+    # The backward is timed as o.backward(do, retain_graph=True); AOTAutograd refuses retain_graph for a
+    # backward compiled with donated buffers.
+    import torch._functorch.config
+
+    if hasattr(torch._functorch.config, "donated_buffer"):
+        torch._functorch.config.donated_buffer = False
 
 
 class Reference(Provider):

@@ -4,12 +4,16 @@
 
 Writes next to the results file (or into ``--out``):
 
-* ``tflops_{fwd,bwd}_{dtype}.png`` -- TFLOP/s against N, one panel per head dim x mask, one line per
-  provider; a provider with no point at some N did not run there (the summary says why);
+* ``tflops_{fwd,bwd}_{dtype}.png`` -- TFLOP/s against N, one panel per head dim x mask (and the GQA
+  row), one line per provider; a provider with no point at some N did not run there (the summary says why);
+* ``latency_{fwd,fwd_bwd}.png`` -- when the run has a latency section: µs per call against N, a panel
+  per head dim x mask x mode, a line per provider and B x H;
 * ``summary.md`` -- the run's GPU and versions, the correctness checks, ours / peer ratios per setting
-  (with the issue's targets marked), every TFLOP/s figure, peak memory, and the long-context check.
+  (with the issue's targets marked), every TFLOP/s figure, peak memory, the long-context check, and the
+  per-call latency tables when the run measured them. A section the run did not measure is left out.
 
-A ratio is flashattn's TFLOP/s over the peer's at the same setting and pass (> 1: flashattn is faster).
+A throughput ratio is flashattn's TFLOP/s over the peer's at the same setting and pass (> 1: flashattn
+is faster). A latency ratio is flashattn's time per call over the peer's (< 1: flashattn is faster).
 """
 
 from __future__ import annotations
@@ -28,15 +32,34 @@ OURS = "flashattn"
 PASS_NAMES = {"fwd": "forward", "bwd": "backward"}
 
 
+# The latency targets (flashattn's time per call / SDPA flash's, at N = 512 and B x H = 16).
+LATENCY_TARGETS = {("eager", "fwd"): 1.5, ("eager", "fwd_bwd"): 1.5, ("reduce-overhead", "fwd"): 1.1,
+                   ("reduce-overhead", "fwd_bwd"): 1.1}
+LATENCY_TARGET_PEER = "sdpa_flash"
+LATENCY_TARGET_SHAPE = (512, 16)  # (N, B x H)
+LATENCY_PASS_NAMES = {"fwd": "forward", "fwd_bwd": "forward + backward"}
+
+
 def _mask(causal: bool) -> str:
     return "causal" if causal else "non-causal"
 
 
+def _gqa(m) -> str:
+    """'' for plain attention, else 'Hq:Hkv' (records of schema 1 have no kv_heads: plain)."""
+    kv = m.get("kv_heads")
+    return "" if kv is None or kv == m["heads"] else f"{m['heads']}:{kv}"
+
+
+def _group_label(group) -> str:
+    dtype, d, causal, gqa = group
+    return f"{dtype}, D = {d}, {_mask(causal)}" + (f", GQA {gqa}" if gqa else "")
+
+
 def _index(results) -> dict:
-    """(dtype, head_dim, causal, seqlen, pass) -> provider -> measurement record."""
+    """(dtype, head_dim, causal, gqa, seqlen, pass) -> provider -> measurement record."""
     table = {}
     for m in results["measurements"]:
-        key = (m["dtype"], m["head_dim"], m["causal"], m["seqlen"], m["pass"])
+        key = (m["dtype"], m["head_dim"], m["causal"], _gqa(m), m["seqlen"], m["pass"])
         table.setdefault(key, {})[m["provider"]] = m
     return table
 
@@ -46,15 +69,21 @@ def _peers(results) -> list[str]:
 
 
 def _groups(results) -> list[tuple]:
-    """(dtype, head_dim, causal) in the order they were measured."""
+    """(dtype, head_dim, causal, gqa) in the order they were measured."""
     seen = {}
     for m in results["measurements"]:
-        seen.setdefault((m["dtype"], m["head_dim"], m["causal"]), None)
+        seen.setdefault((m["dtype"], m["head_dim"], m["causal"], _gqa(m)), None)
     return list(seen)
 
 
+def _seqlens(results, group=None) -> list[int]:
+    """The lengths measured (in one group, or in all)."""
+    return sorted({m["seqlen"] for m in results["measurements"]
+                   if group is None or (m["dtype"], m["head_dim"], m["causal"], _gqa(m)) == group})
+
+
 def ratios(results) -> dict:
-    """(dtype, head_dim, causal, seqlen, pass) -> peer -> ours / peer TFLOP/s, where both ran."""
+    """(dtype, head_dim, causal, gqa, seqlen, pass) -> peer -> ours / peer TFLOP/s, where both ran."""
     out = {}
     for key, by_provider in _index(results).items():
         ours = by_provider.get(OURS)
@@ -67,12 +96,12 @@ def ratios(results) -> dict:
 
 
 def min_ratios(results, min_seqlen: int = TARGET_MIN_SEQLEN) -> dict:
-    """(dtype, head_dim, causal, pass) -> peer -> (smallest ratio over N >= min_seqlen, its N)."""
+    """(dtype, head_dim, causal, gqa, pass) -> peer -> (smallest ratio over N >= min_seqlen, its N)."""
     out = {}
-    for (dtype, d, causal, n, p), by_peer in ratios(results).items():
+    for (dtype, d, causal, gqa, n, p), by_peer in ratios(results).items():
         if n < min_seqlen:
             continue
-        slot = out.setdefault((dtype, d, causal, p), {})
+        slot = out.setdefault((dtype, d, causal, gqa, p), {})
         for peer, r in by_peer.items():
             if peer not in slot or r < slot[peer][0]:
                 slot[peer] = (r, n)
@@ -93,9 +122,9 @@ def ratio_table(results) -> str:
     mins = min_ratios(results)
     lines = ["| dtype | D | mask | pass | " + " | ".join(f"vs {p}" for p in peers) + " |",
              "|---|---|---|---|" + "---|" * len(peers)]
-    for (dtype, d, causal) in _groups(results):
+    for (dtype, d, causal, gqa) in _groups(results):
         for p in ("fwd", "bwd"):
-            slot = mins.get((dtype, d, causal, p), {})
+            slot = mins.get((dtype, d, causal, gqa, p), {})
             if not slot:
                 continue
             cells = []
@@ -107,7 +136,8 @@ def ratio_table(results) -> str:
                 target = TARGETS.get((p, peer))
                 mark = "" if target is None else (" ✓" if r >= target else f" ✗ (<{target:g})")
                 cells.append(f"{r:.2f}× @{n}{mark}")
-            lines.append(f"| {dtype} | {d} | {_mask(causal)} | {p} | " + " | ".join(cells) + " |")
+            mask = _mask(causal) + (f", GQA {gqa}" if gqa else "")
+            lines.append(f"| {dtype} | {d} | {mask} | {p} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -124,25 +154,48 @@ def _fmt_bytes(b) -> str:
 
 def summary_markdown(results) -> str:
     env, cfg = results["environment"], results["config"]
-    peers = _peers(results)
-    providers = [OURS, *peers] if OURS in results["providers"] else peers
-    index = _index(results)
-    all_ratios = ratios(results)
     out = ["## Benchmark results", ""]
+    code = ""
+    # Only with the sources' hash: schema-1 files recorded a commit that could be stale.
+    if env.get("git_commit") and env.get("flashattn_sources_sha256"):
+        code = f" The package measured: git commit `{env['git_commit'][:12]}`"
+        if env.get("git_flashattn_dirty"):
+            code += " with uncommitted changes under `flashattn/`"
+        if env.get("flashattn_sources_sha256"):
+            code += f", sources SHA-256 `{env['flashattn_sources_sha256'][:16]}`"
+        code += "."
     out.append(f"Measured on **{env['gpu']}** (driver {env.get('driver')}, CUDA {env.get('cuda')}, "
                f"cuDNN {env.get('cudnn')}) with torch {env['torch']} and triton {env['triton']}, "
                f"{env['date']}, in one run of `python -m benchmarks.run`"
-               + (" (`--quick`)" if cfg.get("quick") else "") + ".")
+               + (" (`--quick`)" if cfg.get("quick") else "") + "." + code)
     if not results.get("complete"):
         out.append("")
         out.append("**This run is incomplete**: some settings were skipped (time budget or interruption); "
                    "their cells say so.")
+    if results.get("grid") and results["measurements"]:
+        out += _grid_markdown(results)
+    if results.get("latency"):
+        out += _latency_markdown(results)
+    return "\n".join(out) + "\n"
+
+
+def _grid_markdown(results) -> list[str]:
+    cfg = results["config"]
+    peers = _peers(results)
+    providers = [OURS, *peers] if OURS in results["providers"] else peers
+    index = _index(results)
+    all_ratios = ratios(results)
     grid = results["grid"]
-    out += ["", f"Grid: batch × N = {grid['tokens']} tokens, heads × D = {grid['hidden']}; "
-                f"N in {grid['seqlens']}; D in {grid['head_dims']} for every provider"
-                + (f" and {grid['head_dims_ours_only']} for flashattn only" if grid["head_dims_ours_only"] else "")
-                + f"; {', '.join(grid['dtypes'])}; causal and not.",
-            "",
+    out = ["", f"Grid: batch × N = {grid['tokens']} tokens, heads × D = {grid['hidden']}; "
+               f"N in {grid['seqlens']}; D in {grid['head_dims']} for every provider"
+               + (f" and {grid['head_dims_ours_only']} for flashattn only" if grid["head_dims_ours_only"] else "")
+               + f"; {', '.join(grid['dtypes'])}; causal and not."]
+    if grid.get("gqa"):
+        g = grid["gqa"]
+        out[-1] += (f" GQA row: {g['heads']} query heads sharing {g['kv_heads']} key/value heads, D = {g['head_dim']}, "
+                    f"{g['dtype']}, {_mask(g['causal'])}, N in {g['seqlens']} (batch × N = {grid['tokens']}); "
+                    f"{cfg.get('gqa', '')}.")
+    out += ["",
             f"Timing: `{cfg['timer']}`, median, warm-up {cfg['warmup_ms']} ms, repetitions {cfg['rep_ms']} ms. "
             f"Forward: {cfg['forward']}. Backward: {cfg['backward']}. TFLOP/s: `{cfg['flops']}` over the median time.",
             "", "Providers: " + "; ".join(f"`{k}` = {v['label']}" for k, v in results["providers"].items()) + "."]
@@ -163,7 +216,8 @@ def summary_markdown(results) -> str:
             result = "**FAILED**"
         else:  # the provider could not run here: not a wrong answer, but no answer
             result = f"{c['status']}: {_md(c['error'])}"
-        checks.append(f"| {c['dtype']} | {c['head_dim']} | {_mask(c['causal'])} | {c['seqlen']} | {c['provider']} | "
+        mask = _mask(c["causal"]) + (f", GQA {_gqa(c)}" if _gqa(c) else "")
+        checks.append(f"| {c['dtype']} | {c['head_dim']} | {mask} | {c['seqlen']} | {c['provider']} | "
                       f"{fmt(e.get('o'))} | {fmt(e.get('dq'))} | {fmt(e.get('dk'))} | {fmt(e.get('dv'))} | "
                       f"{fmt(b.get('o'))} / {fmt(b.get('dq'))} | {result} |")
 
@@ -179,20 +233,23 @@ def summary_markdown(results) -> str:
             "Each cell: TFLOP/s, and for a peer flashattn's ratio to it. `unsupported`: the backend refused "
             "the shape; `skipped`: not run by design (or the time budget); `error`/`oom`: see the results file."]
     for group in _groups(results):
-        dtype, d, causal = group
-        out += ["", f"#### {dtype}, D = {d}, {_mask(causal)}", "",
+        out += ["", f"#### {_group_label(group)}", "",
                 "| N | pass | " + " | ".join(providers) + " |", "|---|---|" + "---|" * len(providers)]
-        for n in grid["seqlens"]:
+        for n in _seqlens(results, group):
             for p in ("fwd", "bwd"):
-                by_provider = index.get((dtype, d, causal, n, p))
+                by_provider = index.get((*group, n, p))
                 if not by_provider:
                     continue
                 cells = []
                 for prov in providers:
                     cell = _status_cell(by_provider.get(prov))
-                    r = all_ratios.get((dtype, d, causal, n, p), {}).get(prov)
+                    r = all_ratios.get((*group, n, p), {}).get(prov)
                     cells.append(f"{cell} ({r:.2f}×)" if r is not None else cell)
                 out.append(f"| {n} | {p} | " + " | ".join(cells) + " |")
+        hows = {m["provider"]: m["gqa"] for m in results["measurements"]
+                if m.get("gqa") and (m["dtype"], m["head_dim"], m["causal"], _gqa(m)) == group}
+        if group[3] and hows:
+            out += ["", "GQA as run: " + "; ".join(f"`{p}` {how}" for p, how in hows.items()) + "."]
 
     missing = {}
     for m in results["measurements"]:
@@ -208,12 +265,14 @@ def summary_markdown(results) -> str:
             "| dtype | D | mask | N | " + " | ".join(providers) + " |", "|---|---|---|---|" + "---|" * len(providers)]
     mem = {}
     for m in results["memory"]:
-        mem.setdefault((m["dtype"], m["head_dim"], m["causal"]), {}).setdefault(m["seqlen"], {})[m["provider"]] = m
-    for (dtype, d, causal), by_n in mem.items():
+        group = (m["dtype"], m["head_dim"], m["causal"], _gqa(m))
+        mem.setdefault(group, {}).setdefault(m["seqlen"], {})[m["provider"]] = m
+    for (dtype, d, causal, gqa), by_n in mem.items():
         n = max(by_n)
         cells = [(_fmt_bytes(m["peak_bytes"]) if m["status"] == "ok" else m["status"]) if m else "—"
                  for m in (by_n[n].get(p) for p in providers)]
-        out.append(f"| {dtype} | {d} | {_mask(causal)} | {n} | " + " | ".join(cells) + " |")
+        mask = _mask(causal) + (f", GQA {gqa}" if gqa else "")
+        out.append(f"| {dtype} | {d} | {mask} | {n} | " + " | ".join(cells) + " |")
 
     lc = results.get("long_context")
     if lc and lc.get("status") == "error":
@@ -237,16 +296,162 @@ def summary_markdown(results) -> str:
             out.append(f"The naive reference ({naive.get('status')}): one N × N score matrix alone is {s_bytes} in "
                        f"{lc['dtype']} ({_fmt_bytes(lc['score_matrix_bytes_float32'])} in float32), against "
                        f"{_fmt_bytes(lc['gpu_memory_bytes'])} on the GPU.")
-    return "\n".join(out) + "\n"
+    return out
 
 
-def plot_files(results, out_dir) -> list[Path]:
-    """One PNG per dtype x pass: TFLOP/s against N, a panel per head dim x mask."""
+# -- latency -------------------------------------------------------------------------------------------------
+
+def _latency_index(results) -> dict:
+    """(dtype, head_dim, causal, seqlen, batch x heads, pass) -> (provider, mode) -> latency record."""
+    table = {}
+    for r in (results.get("latency") or {}).get("records", []):
+        key = (r["dtype"], r["head_dim"], r["causal"], r["seqlen"], r["batch"] * r["heads"], r["pass"])
+        table.setdefault(key, {})[(r["provider"], r["mode"])] = r
+    return table
+
+
+def _latency_providers(results) -> list[str]:
+    names = list(dict.fromkeys(r["provider"] for r in results["latency"]["records"]))
+    return sorted(names, key=lambda p: p != OURS)  # ours first, the rest in run order
+
+
+def _latency_modes(results) -> list[str]:
+    present = {r["mode"] for r in results["latency"]["records"]}
+    return [m for m in results_mod.LATENCY_MODES if m in present]
+
+
+def latency_ratios(results) -> dict:
+    """(dtype, D, causal, N, BxH, pass, mode) -> peer -> ours / peer time per call, where both ran."""
+    out = {}
+    for key, cell in _latency_index(results).items():
+        for (prov, mode), ours in cell.items():
+            if prov != OURS or ours["status"] != "ok":
+                continue
+            for (peer, peer_mode), r in cell.items():
+                if peer != OURS and peer_mode == mode and r["status"] == "ok":
+                    out.setdefault((*key, mode), {})[peer] = ours["us_per_call"] / r["us_per_call"]
+    return out
+
+
+def latency_target_table(results) -> str:
+    """Markdown: flashattn / SDPA flash time per call at the target shape, with the issue's targets marked."""
+    if not results.get("latency"):
+        return ""
+    n0, bh0 = LATENCY_TARGET_SHAPE
+    rat = latency_ratios(results)
+    lines = ["| dtype | D | mask | pass | " + " | ".join(f"{m} (target ≤ {LATENCY_TARGETS.get((m, 'fwd'), '—')}×)"
+                                                      if (m, "fwd") in LATENCY_TARGETS else m
+                                                      for m in _latency_modes(results)) + " |",
+             "|---|---|---|---|" + "---|" * len(_latency_modes(results))]
+    keys = sorted({k[:3] for k in _latency_index(results)}, key=lambda k: (k[0], k[1], k[2]))
+    for dtype, d, causal in keys:
+        for p in results_mod.LATENCY_PASSES:
+            cells = []
+            for mode in _latency_modes(results):
+                r = rat.get((dtype, d, causal, n0, bh0, p, mode), {}).get(LATENCY_TARGET_PEER)
+                if r is None:
+                    cells.append("—")
+                    continue
+                target = LATENCY_TARGETS.get((mode, p))
+                mark = "" if target is None else (" ✓" if r <= target else f" ✗ (>{target:g})")
+                cells.append(f"{r:.2f}×{mark}")
+            if any(c != "—" for c in cells):
+                lines.append(f"| {dtype} | {d} | {_mask(causal)} | {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _latency_markdown(results) -> list[str]:
+    lat = results["latency"]
+    cfg = lat["config"]
+    providers = _latency_providers(results)
+    modes = _latency_modes(results)
+    index = _latency_index(results)
+    rat = latency_ratios(results)
+    n0, bh0 = LATENCY_TARGET_SHAPE
+    env, lat_env = results["environment"], lat.get("environment")
+    measured = ""
+    if lat_env and (lat_env.get("date"), lat_env.get("flashattn_sources_sha256")) != (
+            env.get("date"), env.get("flashattn_sources_sha256")):
+        measured = (f"Measured in a separate run on **{lat_env.get('gpu')}** with torch {lat_env.get('torch')} and "
+                    f"triton {lat_env.get('triton')}, {lat_env.get('date')}, git commit "
+                    f"`{str(lat_env.get('git_commit'))[:12]}`, sources SHA-256 "
+                    f"`{str(lat_env.get('flashattn_sources_sha256'))[:16]}`. ")
+    out = ["", "### Per-call latency at small shapes", "",
+           measured + f"Time per call as a user sees it, host and GPU together: {cfg.get('timer', '')}; loops of about "
+           f"{cfg.get('target_ms', '—')} ms, {cfg.get('repeats', '—')} repeats. Forward: {cfg['forward']}. "
+           f"Forward + backward: {cfg['fwd_bwd']}. Modes: "
+           + "; ".join(f"`{m}` = {how}" for m, how in cfg["modes"].items() if m in modes) + ".",
+           "",
+           f"flashattn's time per call over SDPA flash's at N = {n0}, B × H = {bh0} (< 1: flashattn is faster); "
+           "✓/✗: the issue's targets (eager ≤ 1.5×, reduce-overhead ≤ 1.1×).", "",
+           latency_target_table(results)]
+    for mode in modes:
+        out += ["", f"#### µs per call, {mode}", "",
+                "Each cell: wall-clock µs per call; for flashattn, its time over SDPA flash's in brackets.", "",
+                "| dtype | D | mask | N | B × H | pass | " + " | ".join(providers) + " |",
+                "|---|---|---|---|---|---|" + "---|" * len(providers)]
+        for key in sorted(index, key=lambda k: (k[0], k[1], k[2], results_mod.LATENCY_PASSES.index(k[5]), k[4], k[3])):
+            dtype, d, causal, n, bh, p = key
+            cells = []
+            for prov in providers:
+                r = index[key].get((prov, mode))
+                if r is None:
+                    cells.append("—")
+                    continue
+                if r["status"] != "ok":
+                    cells.append(r["status"])
+                    continue
+                cell = f"{r['us_per_call']:.1f}"
+                ratio = rat.get((*key, mode), {}).get(LATENCY_TARGET_PEER) if prov == OURS else None
+                cells.append(cell + (f" ({ratio:.2f}×)" if ratio is not None else ""))
+            out.append(f"| {dtype} | {d} | {_mask(causal)} | {n} | {bh} | {p} | " + " | ".join(cells) + " |")
+    failed = {}
+    for r in lat["records"]:
+        if r["status"] != "ok" and not r.get("error", "").startswith("not compiled again"):
+            failed.setdefault((r["provider"], r["mode"], r["status"], _md(r.get("error", ""), 300)), []).append(r)
+    notes = {r["provider"]: r["note"] for r in lat["records"] if r.get("note")}
+    notes.update({r["provider"]: r["error"] for r in lat["records"] if r.get("error", "").startswith("not compiled again")})
+    if notes:
+        out += ["", "Notes: " + "; ".join(f"`{p}`: {_md(n, 200)}" for p, n in notes.items()) + "."]
+    if failed:
+        out += ["", "#### Not measured (latency)", "", "| provider | mode | status | reason | cells |",
+                "|---|---|---|---|---|"]
+        for (prov, mode, status, reason), rs in failed.items():
+            out.append(f"| {prov} | {mode} | {status} | {reason} | {len(rs)} |")
+    return out
+
+
+# -- plots ---------------------------------------------------------------------------------------------------
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _legend(fig, axes, ncol=5):
+    handles = {}
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(ncol, len(handles)),
+               fontsize=9, frameon=False)
+
+
+def _length_ticks(ax, seqlens):
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(seqlens, [f"{n // 1024}k" if n >= 1024 else str(n) for n in seqlens])
+    ax.minorticks_off()
+
+
+def plot_files(results, out_dir) -> list[Path]:
+    """One PNG per dtype x pass: TFLOP/s against N, a panel per head dim x mask (the GQA row its own panel)."""
+    if not results["measurements"]:
+        return []
+    plt = _pyplot()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     index = _index(results)
@@ -257,41 +462,95 @@ def plot_files(results, out_dir) -> list[Path]:
     gpu = results["environment"]["gpu"]
     written = []
     for dtype in dict.fromkeys(g[0] for g in groups):
-        dims = sorted({g[1] for g in groups if g[0] == dtype})
+        rows = list(dict.fromkeys((g[1], g[3]) for g in groups if g[0] == dtype))  # (D, gqa)
         masks = sorted({g[2] for g in groups if g[0] == dtype})
         for p in ("fwd", "bwd"):
-            fig, axes = plt.subplots(len(dims), len(masks), figsize=(5.2 * len(masks), 3.4 * len(dims)),
-                                     squeeze=False, sharex=True)
-            for i, d in enumerate(dims):
+            fig, axes = plt.subplots(len(rows), len(masks), figsize=(5.2 * len(masks), 3.4 * len(rows)),
+                                     squeeze=False)
+            for i, (d, gqa) in enumerate(rows):
                 for j, causal in enumerate(masks):
                     ax = axes[i][j]
+                    group = (dtype, d, causal, gqa)
+                    if group not in groups:
+                        ax.set_visible(False)
+                        continue
+                    seqlens = _seqlens(results, group)
                     for prov in providers:
-                        pts = sorted((n, index[(dtype, d, causal, n, p)][prov]["tflops"])
-                                     for n in results["grid"]["seqlens"]
-                                     if prov in index.get((dtype, d, causal, n, p), {})
-                                     and index[(dtype, d, causal, n, p)][prov]["status"] == "ok")
+                        pts = sorted((n, index[(*group, n, p)][prov]["tflops"]) for n in seqlens
+                                     if prov in index.get((*group, n, p), {})
+                                     and index[(*group, n, p)][prov]["status"] == "ok")
                         if pts:
                             ax.plot(*zip(*pts), label=results["providers"][prov]["label"], **styles[prov])
-                    ax.set_xscale("log", base=2)
-                    seqlens = results["grid"]["seqlens"]
-                    ax.set_xticks(seqlens, [f"{n // 1024}k" if n >= 1024 else str(n) for n in seqlens])
-                    ax.minorticks_off()
-                    ax.set_title(f"D = {d}, {_mask(causal)}", fontsize=10)
+                    _length_ticks(ax, seqlens)
+                    ax.set_title(f"D = {d}, {_mask(causal)}" + (f", GQA {gqa}" if gqa else ""), fontsize=10)
                     ax.set_ylim(bottom=0)
                     ax.grid(True, alpha=0.3)
                     if j == 0:
                         ax.set_ylabel("TFLOP/s")
-                    if i == len(dims) - 1:
-                        ax.set_xlabel("sequence length N (batch × N = {:,})".format(results["grid"]["tokens"]))
-            handles = {}
-            for ax in axes.flat:
-                for h, lab in zip(*ax.get_legend_handles_labels()):
-                    handles.setdefault(lab, h)
-            fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(5, len(handles)),
-                       fontsize=9, frameon=False)
+                    ax.set_xlabel("sequence length N (batch × N = {:,})".format(results["grid"]["tokens"]))
+            _legend(fig, axes)
             fig.suptitle(f"{PASS_NAMES[p].capitalize()}, {dtype}, {gpu}", fontsize=11)
-            fig.tight_layout(rect=(0, 0.045 if len(dims) > 2 else 0.08, 1, 1))
+            fig.tight_layout(rect=(0, 0.045 if len(rows) > 2 else 0.08, 1, 1))
             path = out_dir / f"tflops_{p}_{dtype}.png"
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            written.append(path)
+    return written
+
+
+def latency_plot_files(results, out_dir) -> list[Path]:
+    """One PNG per latency pass (and dtype, when several): µs per call against N, log scale; a panel per
+    head dim x mask (rows) and mode (columns); a colour per provider, solid for the smaller B x H."""
+    if not results.get("latency") or not results["latency"]["records"]:
+        return []
+    plt = _pyplot()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    index = _latency_index(results)
+    providers = _latency_providers(results)
+    modes = _latency_modes(results)
+    labels = {p: results["providers"][p]["label"] for p in providers}
+    dtypes = list(dict.fromkeys(k[0] for k in index))
+    rows = sorted({(k[1], k[2]) for k in index})
+    bhs = sorted({k[4] for k in index})
+    seqlens = sorted({k[3] for k in index})
+    styles = ["-", "--", ":", "-."]
+    gpu = results["environment"]["gpu"]
+    written = []
+    for dtype in dtypes:
+        for p in results_mod.LATENCY_PASSES:
+            if not any(k[0] == dtype and k[5] == p for k in index):
+                continue
+            fig, axes = plt.subplots(len(rows), len(modes), figsize=(4.6 * len(modes), 3.2 * len(rows)),
+                                     squeeze=False, sharey=True)
+            for i, (d, causal) in enumerate(rows):
+                for j, mode in enumerate(modes):
+                    ax = axes[i][j]
+                    for c, prov in enumerate(providers):
+                        for b, bh in enumerate(bhs):
+                            pts = []
+                            for n in seqlens:
+                                r = index.get((dtype, d, causal, n, bh, p), {}).get((prov, mode))
+                                if r is not None and r["status"] == "ok":
+                                    pts.append((n, r["us_per_call"]))
+                            if pts:
+                                ax.plot(*zip(*pts), marker="o", color=f"C{c}", linestyle=styles[b % len(styles)],
+                                        linewidth=2.5 if prov == OURS else 1.3,
+                                        label=f"{labels[prov]}, B × H = {bh}")
+                    _length_ticks(ax, seqlens)
+                    ax.set_yscale("log")
+                    ax.grid(True, which="both", alpha=0.3)
+                    ax.set_title(f"{mode}: D = {d}, {_mask(causal)}", fontsize=10)
+                    if j == 0:
+                        ax.set_ylabel("µs per call")
+                    if i == len(rows) - 1:
+                        ax.set_xlabel("sequence length N")
+            _legend(fig, axes, ncol=4)
+            fig.suptitle(f"Per-call latency, {LATENCY_PASS_NAMES[p]}, {dtype}, {gpu}", fontsize=11)
+            n_labels = len(providers) * len(bhs)
+            fig.tight_layout(rect=(0, min(0.3, 0.025 * (1 + n_labels // 4) * 4 / max(1, len(rows))), 1, 1))
+            suffix = f"_{dtype}" if len(dtypes) > 1 else ""
+            path = out_dir / f"latency_{p}{suffix}.png"
             fig.savefig(path, dpi=100)
             plt.close(fig)
             written.append(path)
@@ -300,7 +559,7 @@ def plot_files(results, out_dir) -> list[Path]:
 
 def write_all(results, out_dir) -> list[Path]:
     out_dir = Path(out_dir)
-    written = plot_files(results, out_dir)
+    written = plot_files(results, out_dir) + latency_plot_files(results, out_dir)
     summary = out_dir / "summary.md"
     summary.write_text(summary_markdown(results))
     return [*written, summary]

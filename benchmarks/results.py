@@ -11,7 +11,13 @@ Top-level keys (``SCHEMA`` names the version):
   ``skipped`` (not run by design, or the time budget ran out, with the reason);
 * ``memory`` -- one record per setting x provider: peak bytes of a forward + backward;
 * ``long_context`` -- the single-head N = 131072 run and the naive reference's attempt;
+* ``latency`` -- per-call wall-clock time at small shapes (:mod:`benchmarks.latency`), or absent/None
+  when the run did not measure it: ``config`` (how), ``records`` (one per shape x provider x mode x
+  pass, ``us_per_call`` and ``host_us_per_call`` when ``ok``);
 * ``complete`` -- False until the run has finished every setting.
+
+Schema 2 added ``kv_heads`` (None: as many as ``heads``) and ``gqa`` (how a provider ran grouped-query
+attention) to the records, and the ``latency`` section; files of schema 1 still load.
 """
 
 from __future__ import annotations
@@ -20,10 +26,14 @@ import json
 import os
 from pathlib import Path
 
-SCHEMA = "flashattn-benchmark/1"
+SCHEMA = "flashattn-benchmark/2"
+READABLE_SCHEMAS = ("flashattn-benchmark/1", SCHEMA)
 STATUSES = ("ok", "unsupported", "oom", "error", "skipped")
 PASSES = ("fwd", "bwd")
-SETTING_KEYS = ("dtype", "head_dim", "causal", "seqlen", "batch", "heads")
+LATENCY_PASSES = ("fwd", "fwd_bwd")
+LATENCY_MODES = ("eager", "compile", "reduce-overhead")
+REQUIRED_SETTING_KEYS = ("dtype", "head_dim", "causal", "seqlen", "batch", "heads")
+SETTING_KEYS = (*REQUIRED_SETTING_KEYS, "kv_heads")  # what a new record carries
 TOP_KEYS = ("schema", "environment", "config", "grid", "providers", "checks", "measurements", "memory",
             "long_context", "complete")
 
@@ -31,6 +41,7 @@ TOP_KEYS = ("schema", "environment", "config", "grid", "providers", "checks", "m
 def new_results(*, environment: dict, config: dict, grid: dict, providers: dict) -> dict:
     return {"schema": SCHEMA, "environment": environment, "config": config, "grid": grid,
             "providers": providers, "checks": [], "measurements": [], "memory": [], "long_context": None,
+            "latency": None,
             "complete": False}
 
 
@@ -41,14 +52,14 @@ def validate(results: dict) -> None:
     missing = [k for k in TOP_KEYS if k not in results]
     if missing:
         raise ValueError(f"results lack the key(s) {missing}")
-    if results["schema"] != SCHEMA:
-        raise ValueError(f"schema is {results['schema']!r}, expected {SCHEMA!r}")
+    if results["schema"] not in READABLE_SCHEMAS:
+        raise ValueError(f"schema is {results['schema']!r}, expected one of {READABLE_SCHEMAS}")
     for key in ("gpu", "torch", "triton", "date"):
         if key not in results["environment"]:
             raise ValueError(f"environment lacks {key!r}")
     for i, m in enumerate(results["measurements"]):
         where = f"measurements[{i}]"
-        for key in (*SETTING_KEYS, "provider", "pass", "status"):
+        for key in (*REQUIRED_SETTING_KEYS, "provider", "pass", "status"):
             if key not in m:
                 raise ValueError(f"{where} lacks {key!r}")
         if m["pass"] not in PASSES:
@@ -68,6 +79,34 @@ def validate(results: dict) -> None:
             raise ValueError(f"memory[{i}]: status {m.get('status')!r} is not one of {STATUSES}")
         if m["status"] == "ok" and not isinstance(m.get("peak_bytes"), int):
             raise ValueError(f"memory[{i}]: status ok needs an integer 'peak_bytes'")
+    validate_latency(results.get("latency"), results["providers"])
+
+
+def validate_latency(latency, providers) -> None:
+    """The latency section may be absent (None); when present every record must say what it is."""
+    if latency is None:
+        return
+    if not isinstance(latency, dict) or "config" not in latency or "records" not in latency:
+        raise ValueError("latency must be an object with 'config' and 'records'")
+    for i, r in enumerate(latency["records"]):
+        where = f"latency.records[{i}]"
+        for key in (*REQUIRED_SETTING_KEYS, "provider", "mode", "pass", "status"):
+            if key not in r:
+                raise ValueError(f"{where} lacks {key!r}")
+        if r["pass"] not in LATENCY_PASSES:
+            raise ValueError(f"{where}: pass {r['pass']!r} is not one of {LATENCY_PASSES}")
+        if r["mode"] not in LATENCY_MODES:
+            raise ValueError(f"{where}: mode {r['mode']!r} is not one of {LATENCY_MODES}")
+        if r["status"] not in STATUSES:
+            raise ValueError(f"{where}: status {r['status']!r} is not one of {STATUSES}")
+        if r["provider"] not in providers:
+            raise ValueError(f"{where}: provider {r['provider']!r} is not listed under 'providers'")
+        if r["status"] == "ok":
+            for key in ("us_per_call", "host_us_per_call"):
+                if not isinstance(r.get(key), (int, float)) or not r[key] > 0:
+                    raise ValueError(f"{where}: status ok needs a positive {key!r}, got {r.get(key)!r}")
+        elif not r.get("error"):
+            raise ValueError(f"{where}: status {r['status']!r} needs an 'error' that says why")
 
 
 def save(results: dict, path) -> Path:

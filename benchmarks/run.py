@@ -1,19 +1,22 @@
 """Run the benchmark: every provider at every setting of the grid, in one process on one GPU.
 
     PYTHONPATH=. python -m benchmarks.run [--quick] [--out benchmarks/results] [--budget-s 480]
+    PYTHONPATH=. python -m benchmarks.run --sections latency --out benchmarks/results-latency
 
 For each setting (dtype x head dim x mask x length, see :mod:`benchmarks.grid`) and each provider
 (see :mod:`benchmarks.providers`): prepare it (FlexAttention compiles here), check it against float64
 at the first length of each dtype x head dim x mask, time the forward and the backward, and measure the
 peak memory of a forward + backward. Any failure is recorded with its message and the run goes on.
 The results file is rewritten after every setting, so a run cut short still leaves what it measured.
-At the end: the long-context memory check, then the plots and ``summary.md`` (:mod:`benchmarks.report`).
+At the end: the long-context memory check, the per-call latency section at small shapes
+(:mod:`benchmarks.latency`), then the plots and ``summary.md`` (:mod:`benchmarks.report`).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
 import math
 import os
@@ -28,7 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import grid as grid_mod
-from benchmarks import measure, providers as providers_mod, results as results_mod
+from benchmarks import latency as latency_mod, measure, providers as providers_mod, results as results_mod
 
 BACKWARD_HOW = ("o.backward(do, retain_graph=True) after one forward, timed alone; gradients of q, k, v set "
                 "to None before each call (do_bench grad_to_none)")
@@ -75,6 +78,7 @@ def run_grid(settings, providers, *, device, timer, peak_memory, clock=None, pro
     clock = clock or Clock(None)
     out = {"checks": [], "measurements": [], "memory": []}
     checked_groups = set()
+    failed_first = {}  # (provider, group) -> why the rest of the group is skipped
     for index, setting in enumerate(settings):
         do_check = setting.group not in checked_groups
         checked_groups.add(setting.group)
@@ -83,15 +87,21 @@ def run_grid(settings, providers, *, device, timer, peak_memory, clock=None, pro
         line = []
         for provider in providers:
             if progress is not None:
-                mask = "causal" if setting.causal else "full"
-                progress.set_postfix_str(f"{setting.dtype} D={setting.head_dim} {mask} N={setting.seqlen} {provider.name}",
-                                         refresh=False)
+                progress.set_postfix_str(f"{setting.label()} {provider.name}", refresh=False)
             reason = provider.skip_reason(setting)
+            if reason is None and (provider.name, setting.group) in failed_first:
+                reason = failed_first[(provider.name, setting.group)]
             if reason is None and clock.over():
                 reason = f"time budget of {clock.budget_s:.0f} s spent before this setting"
             if reason is None:
-                _measure_one(setting, provider, inputs, refs, device=device, timer=timer, peak_memory=peak_memory,
-                             do_check=do_check, out=out, line=line)
+                failure = _measure_one(setting, provider, inputs, refs, device=device, timer=timer,
+                                       peak_memory=peak_memory, do_check=do_check, out=out, line=line)
+                # A provider that cannot even make its first call (a compile error, a refused head dim)
+                # is not retried at the longer lengths of the group: each attempt can cost a compile.
+                # Out of memory is not carried over: a shorter length may fit where a longer one did not.
+                if failure is not None and failure[0] in ("error", "unsupported"):
+                    failed_first[(provider.name, setting.group)] = (
+                        f"not retried: {failure[0]} at N = {setting.seqlen} of this group: {failure[1][:300]}")
             else:
                 for p in results_mod.PASSES:
                     out["measurements"].append(_record(setting, provider, **{"pass": p}, status="skipped", error=reason))
@@ -108,7 +118,9 @@ def run_grid(settings, providers, *, device, timer, peak_memory, clock=None, pro
 
 
 def _measure_one(setting, provider, inputs, refs, *, device, timer, peak_memory, do_check, out, line):
-    """Prepare, check (where due), time both passes and take the memory of one provider at one setting."""
+    """Prepare, check (where due), time both passes and take the memory of one provider at one setting.
+
+    Returns (status, message) when the provider could not make its first call, else None."""
     failure = None  # (status, message) once a step fails: the later steps are not attempted
     prepare_s = None
     with warnings.catch_warnings(record=True) as caught:
@@ -145,8 +157,11 @@ def _measure_one(setting, provider, inputs, refs, *, device, timer, peak_memory,
         verdict = {"ok": "PASS", "failed": "FAIL"}.get(rec["status"], "not run")
         line.append(f"{provider.name}: check {verdict} ({detail})")
     times = {}
+    gqa = getattr(fn, "gqa", None) if failure is None else None
     for p, time_pass in (("fwd", measure.time_forward), ("bwd", measure.time_backward)):
         rec = _record(setting, provider, **{"pass": p})
+        if gqa:
+            rec["gqa"] = gqa
         if failure is None:
             try:
                 ms = time_pass(fn, inputs, timer)
@@ -171,6 +186,7 @@ def _measure_one(setting, provider, inputs, refs, *, device, timer, peak_memory,
         line.append(f"{provider.name} {times.get('fwd', 0):.0f}/{times.get('bwd', 0):.0f}")
     elif failure is not None:
         line.append(f"{provider.name} {failure[0]}")
+    return failure
 
 
 def long_context(device, *, seqlen: int, head_dim: int, dtype: str) -> dict:
@@ -224,6 +240,25 @@ def _driver_version() -> str | None:
         return None
 
 
+def sources_sha256(package_dir) -> str:
+    """One hash of every ``.py`` file of a package (relative paths and bytes, sorted): the identity of the
+    code a run measured, which a stale or dirty git checkout cannot misreport."""
+    root = Path(package_dir)
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _git(*args, cwd=None) -> str | None:
+    try:
+        res = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                             cwd=cwd or Path(__file__).resolve().parent)
+        return res.stdout.strip() if res.returncode == 0 else None
+    except Exception:  # noqa: BLE001 -- no git, or not a checkout
+        return None
+
+
 def environment(device) -> dict:
     import triton
 
@@ -232,13 +267,10 @@ def environment(device) -> dict:
         import flashattn
 
         ours = getattr(flashattn, "__version__", None)
+        sources = sources_sha256(Path(flashattn.__file__).parent)
     except Exception as exc:  # noqa: BLE001
-        ours = f"import failed: {exc}"
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                                cwd=Path(__file__).resolve().parent).stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        commit = None
+        ours, sources = f"import failed: {exc}", None
+    status = _git("status", "--porcelain", "--", "flashattn")
     return {
         "gpu": props.name,
         "compute_capability": f"{props.major}.{props.minor}",
@@ -250,7 +282,9 @@ def environment(device) -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "flashattn": ours,
-        "git_commit": commit,
+        "flashattn_sources_sha256": sources,
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_flashattn_dirty": None if status is None else bool(status),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -300,9 +334,15 @@ def precompile_flex(settings, workers: int, timeout_s: float, log=print) -> dict
             "log_tails": tails}
 
 
+SECTIONS = ("grid", "latency")
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a smaller grid: float16, N in {1k, 4k, 16k}")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help="comma-separated: grid (TFLOP/s, checks, memory, long context), latency (per-call "
+                         "time at small shapes); default both")
+    ap.add_argument("--quick", action="store_true", help="a smaller grid: float16, N in {1k, 4k, 16k}, no GQA row")
     ap.add_argument("--out", default=None, help="output folder (default benchmarks/results, "
                                                 "or benchmarks/results-quick with --quick)")
     ap.add_argument("--providers", default=",".join(providers_mod.DEFAULT),
@@ -311,20 +351,44 @@ def parse_args(argv):
     ap.add_argument("--head-dims", help="comma-separated head dims measured for every provider")
     ap.add_argument("--head-dims-ours-only", help="comma-separated head dims measured for flashattn only")
     ap.add_argument("--seqlens", help="comma-separated sequence lengths")
+    ap.add_argument("--gqa-seqlens", help="comma-separated lengths of the GQA 32:8 row ('' for none)")
     ap.add_argument("--causal", choices=("both", "true", "false"), default="both")
     ap.add_argument("--tokens", type=int, default=grid_mod.TOKENS, help="batch x seqlen (default %(default)s)")
     ap.add_argument("--hidden", type=int, default=grid_mod.HIDDEN, help="heads x head dim (default %(default)s)")
     ap.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up, in ms")
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time, in ms")
     ap.add_argument("--budget-s", type=float, default=0,
-                    help="stop starting new measurements after this many seconds (0: no limit); "
+                    help="stop starting new grid measurements after this many seconds (0: no limit); "
                          "the rest are recorded as skipped")
     ap.add_argument("--flex-workers", type=int, default=8,
                     help="processes that pre-compile FlexAttention's shapes before timing (0: none)")
     ap.add_argument("--long-seqlen", type=int, default=131072, help="the single-head memory check (0: skip)")
+    lat = ap.add_argument_group("latency section")
+    lat.add_argument("--latency-providers", help="comma-separated (default: --providers)")
+    lat.add_argument("--latency-modes", default=",".join(latency_mod.MODES), help="subset of %(default)s")
+    lat.add_argument("--latency-passes", default=",".join(latency_mod.PASSES), help="subset of %(default)s")
+    lat.add_argument("--latency-dtypes", default=",".join(latency_mod.DTYPES))
+    lat.add_argument("--latency-head-dims", default=",".join(map(str, latency_mod.HEAD_DIMS)))
+    lat.add_argument("--latency-seqlens", default=",".join(map(str, latency_mod.SEQLENS)))
+    lat.add_argument("--latency-batch-heads", default=",".join(f"{b}x{h}" for b, h in latency_mod.BATCH_HEADS),
+                     help="comma-separated BxH pairs (default %(default)s)")
+    lat.add_argument("--latency-causal", choices=("both", "true", "false"), default="both")
+    lat.add_argument("--latency-target-ms", type=float, default=latency_mod.TARGET_MS,
+                     help="length of one timed loop of back-to-back calls")
+    lat.add_argument("--latency-repeats", type=int, default=latency_mod.REPEATS)
+    lat.add_argument("--latency-budget-s", type=float, default=0,
+                     help="stop starting new latency measurements after this many seconds of the section (0: no limit)")
+    ap.add_argument("--update", action="store_true",
+                    help="keep the sections of an existing results.json in --out that this run does not measure "
+                         "(e.g. add the latency section to a grid run made before)")
     ap.add_argument("--no-report", action="store_true", help="skip the plots and summary.md")
     ap.add_argument("--no-progress", action="store_true")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.sections = _strs(args.sections)
+    unknown = set(args.sections) - set(SECTIONS)
+    if unknown or not args.sections:
+        ap.error(f"--sections takes a comma-separated subset of {SECTIONS}, got {args.sections}")
+    return args
 
 
 def _ints(text):
@@ -335,6 +399,16 @@ def _strs(text):
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+_CAUSAL = {"both": (False, True), "true": (True,), "false": (False,)}
+
+
+def _latency_shapes(args):
+    batch_heads = tuple(tuple(int(x) for x in pair.lower().split("x")) for pair in _strs(args.latency_batch_heads))
+    return latency_mod.make_shapes(dtypes=_strs(args.latency_dtypes), head_dims=_ints(args.latency_head_dims),
+                                   seqlens=_ints(args.latency_seqlens), batch_heads=batch_heads,
+                                   causal=_CAUSAL[args.latency_causal])
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
@@ -343,74 +417,71 @@ def main(argv=None) -> int:
               "python -m pytest tests/test_benchmarks.py", file=sys.stderr)
         return 2
     device = DEVICE
+    do_grid, do_latency = "grid" in args.sections, "latency" in args.sections
     dtypes = _strs(args.dtypes) if args.dtypes else (grid_mod.QUICK_DTYPES if args.quick else grid_mod.DTYPES)
     seqlens = _ints(args.seqlens) if args.seqlens else (grid_mod.QUICK_SEQLENS if args.quick else grid_mod.SEQLENS)
     head_dims = _ints(args.head_dims) if args.head_dims else grid_mod.HEAD_DIMS
     ours_only = (_ints(args.head_dims_ours_only) if args.head_dims_ours_only is not None
                  else grid_mod.HEAD_DIMS_OURS_ONLY)
-    causal = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
-    grid_kw = dict(dtypes=dtypes, head_dims=head_dims, head_dims_ours_only=ours_only, causal=causal,
-                   seqlens=seqlens, tokens=args.tokens, hidden=args.hidden)
-    settings = grid_mod.make_grid(**grid_kw)
+    gqa_seqlens = (_ints(args.gqa_seqlens) if args.gqa_seqlens is not None
+                   else () if args.quick else grid_mod.GQA_SEQLENS)
+    grid_kw = dict(dtypes=dtypes, head_dims=head_dims, head_dims_ours_only=ours_only, causal=_CAUSAL[args.causal],
+                   seqlens=seqlens, tokens=args.tokens, hidden=args.hidden, gqa_seqlens=gqa_seqlens)
+    settings = grid_mod.make_grid(**grid_kw) if do_grid else []
     chosen = providers_mod.get(_strs(args.providers))
+    lat_providers = providers_mod.get(_strs(args.latency_providers)) if args.latency_providers else chosen
     out_dir = Path(args.out or ("benchmarks/results-quick" if args.quick else "benchmarks/results"))
     json_path = out_dir / "results.json"
 
     clock = Clock(args.budget_s)
     env = environment(device)
     print(f"{env['gpu']} | driver {env['driver']} | CUDA {env['cuda']} | torch {env['torch']} | "
-          f"triton {env['triton']} | {len(settings)} settings x {len(chosen)} providers -> {json_path}", flush=True)
-    config = {"quick": args.quick, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms, "return_mode": "median",
+          f"triton {env['triton']} | flashattn sources {str(env.get('flashattn_sources_sha256'))[:12]} | "
+          f"sections {','.join(args.sections)} | {len(settings)} settings x {len(chosen)} providers -> {json_path}",
+          flush=True)
+    config = {"sections": list(args.sections), "quick": args.quick, "warmup_ms": args.warmup_ms,
+              "rep_ms": args.rep_ms, "return_mode": "median",
               "timer": "triton.testing.do_bench (CUDA events, L2 flushed before each call)",
               "forward": FORWARD_HOW, "backward": BACKWARD_HOW, "memory": MEMORY_HOW,
               "flops": "flashattn.cost.attention_flops(batch, heads, n, m, d, causal=..., mode='fwd'|'bwd')",
               "check": (f"o, dq, dk, dv against flashattn.reference.naive_attention in float64 at the first length "
-                        f"of each dtype x head dim x mask; pass: rel err <= {measure.CHECK_FACTOR} x the naive "
-                        f"attention's own rel err in the same dtype + {measure.CHECK_FLOOR}"),
+                        f"of each dtype x head dim x mask (x GQA); pass: rel err <= {measure.CHECK_FACTOR} x the "
+                        f"naive attention's own rel err in the same dtype + {measure.CHECK_FLOOR}"),
+              "gqa": ("flashattn: native; flex: enable_gqa=True; SDPA backends: enable_gqa=True where the backend "
+                      "accepts it, else k, v repeated with repeat_interleave inside the timed call (each record's "
+                      "'gqa' field says which)"),
               "budget_s": args.budget_s, "argv": sys.argv[1:] if argv is None else list(argv)}
-    results = results_mod.new_results(environment=env, config=config, grid=grid_mod.grid_description(**grid_kw),
-                                      providers={p.name: p.describe() for p in chosen})
+    grid_desc = grid_mod.grid_description(**grid_kw) if do_grid else None
+    results = results_mod.new_results(environment=env, config=config, grid=grid_desc,
+                                      providers={p.name: p.describe() for p in dict.fromkeys(chosen + lat_providers)})
+    if args.update and json_path.exists():
+        _keep_other_sections(results, results_mod.load(json_path), args.sections)
 
-    if any(p.name == "flex" for p in chosen):
-        try:
-            results["config"]["flex_precompile"] = precompile_flex(
-                settings, args.flex_workers, timeout_s=max(60.0, 0.4 * (args.budget_s or 600)))
-        except Exception as exc:  # noqa: BLE001 -- then the timing process compiles each shape itself
-            results["config"]["flex_precompile"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-
-    progress = None
-    if not args.no_progress:
-        from tqdm import tqdm
-
-        progress = tqdm(total=len(settings) * len(chosen), desc="benchmark", unit="run", file=sys.stderr,
-                        mininterval=1.0 if sys.stderr.isatty() else 30.0, ascii=not sys.stderr.isatty())
-
-    def save_partial(partial):
-        results.update(partial)
+    def save_partial(partial=None):
+        results.update(partial or {})
         results["elapsed_s"] = clock.elapsed()
         try:
             results_mod.save(results, json_path)
         except Exception as exc:  # noqa: BLE001 -- a bad record must not end the run; the final save says so
             print(f"could not save {json_path} mid-run: {exc}", file=sys.stderr, flush=True)
 
-    # On a terminal, lines go above the bar; in a log file (the GPU run's case) plain prints read better.
-    log = progress.write if progress is not None and sys.stderr.isatty() else print
-    partial = run_grid(settings, chosen, device=device,
-                       timer=measure.do_bench_timer(warmup=args.warmup_ms, rep=args.rep_ms),
-                       peak_memory=measure.cuda_peak_memory, clock=clock, progress=progress,
-                       on_setting=save_partial, log=lambda s: (log(s), sys.stdout.flush()))
-    if progress is not None:
-        progress.close()
-    results.update(partial)
-    if args.long_seqlen:
-        try:
-            results["long_context"] = long_context(device, seqlen=args.long_seqlen, head_dim=128, dtype="float16")
-        except Exception as exc:  # noqa: BLE001
-            results["long_context"] = {"seqlen": args.long_seqlen, "status": "error",
-                                       "error": f"{type(exc).__name__}: {exc}"[:2000]}
-        print("[long context]", json.dumps(results["long_context"])[:1500], flush=True)
-    skipped_by_budget = any("time budget" in (m.get("error") or "") for m in results["measurements"])
-    results["complete"] = not skipped_by_budget
+    if do_grid:
+        _run_grid_section(args, settings, chosen, device, clock, results, save_partial)
+    if do_latency:
+        shapes = _latency_shapes(args)
+        timer = latency_mod.WallClock(target_ms=args.latency_target_ms, repeats=args.latency_repeats)
+        lat_clock = Clock(args.latency_budget_s)
+        print(f"[latency] {len(shapes)} shapes x {len(lat_providers)} providers x modes {args.latency_modes} "
+              f"x passes {args.latency_passes}", flush=True)
+        records = latency_mod.run_latency(shapes, lat_providers, device=device, modes=_strs(args.latency_modes),
+                                          passes=_strs(args.latency_passes), measure_fn=timer, clock=lat_clock,
+                                          log=lambda s: print(s, flush=True))
+        results["latency"] = latency_mod.section(shapes, lat_providers, records, timer,
+                                                 elapsed_s=lat_clock.elapsed(), environment=env,
+                                                 argv=config["argv"])
+    skipped = [m for m in results["measurements"] + ((results["latency"] or {}).get("records") or [])
+               if "time budget" in (m.get("error") or "")]
+    results["complete"] = not skipped
     results["elapsed_s"] = clock.elapsed()
     try:
         results_mod.save(results, json_path)
@@ -428,8 +499,59 @@ def main(argv=None) -> int:
 
         written = report.write_all(results, out_dir)
         print("wrote " + ", ".join(str(p) for p in written), flush=True)
-        print(report.ratio_table(results), flush=True)
+        if do_grid:
+            print(report.ratio_table(results), flush=True)
+        if do_latency:
+            print(report.latency_target_table(results), flush=True)
     return 0
+
+
+GRID_KEYS = ("environment", "config", "grid", "checks", "measurements", "memory", "long_context")
+
+
+def _keep_other_sections(results: dict, old: dict, sections) -> None:
+    """Carry over from ``old`` what this run does not measure: the grid (with the environment and the
+    configuration it was measured with) and/or the latency section (which holds its own environment)."""
+    if "grid" not in sections:
+        argv = results["config"]["argv"]
+        results.update({k: old[k] for k in GRID_KEYS if k in old})
+        results["config"] = {**old["config"], "update_argv": argv}
+    if "latency" not in sections:
+        results["latency"] = old.get("latency")
+    results["providers"] = {**old["providers"], **results["providers"]}
+
+
+def _run_grid_section(args, settings, chosen, device, clock, results, save_partial):
+    if any(p.name == "flex" for p in chosen):
+        try:
+            results["config"]["flex_precompile"] = precompile_flex(
+                settings, args.flex_workers, timeout_s=max(60.0, 0.4 * (args.budget_s or 600)))
+        except Exception as exc:  # noqa: BLE001 -- then the timing process compiles each shape itself
+            results["config"]["flex_precompile"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+
+    progress = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(settings) * len(chosen), desc="benchmark", unit="run", file=sys.stderr,
+                        mininterval=1.0 if sys.stderr.isatty() else 30.0, ascii=not sys.stderr.isatty())
+    # On a terminal, lines go above the bar; in a log file (the GPU run's case) plain prints read better.
+    log = progress.write if progress is not None and sys.stderr.isatty() else print
+    partial = run_grid(settings, chosen, device=device,
+                       timer=measure.do_bench_timer(warmup=args.warmup_ms, rep=args.rep_ms),
+                       peak_memory=measure.cuda_peak_memory, clock=clock, progress=progress,
+                       on_setting=save_partial, log=lambda s: (log(s), sys.stdout.flush()))
+    if progress is not None:
+        progress.close()
+    results.update(partial)
+    if args.long_seqlen:
+        try:
+            results["long_context"] = long_context(device, seqlen=args.long_seqlen, head_dim=128, dtype="float16")
+        except Exception as exc:  # noqa: BLE001
+            results["long_context"] = {"seqlen": args.long_seqlen, "status": "error",
+                                       "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        print("[long context]", json.dumps(results["long_context"])[:1500], flush=True)
+    save_partial()
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ _INTERPRETER = {
 }
 
 # Hopper (sm_90): measured on an H200 with the tensor-descriptor kernels, fp16, B * N = 16k tokens,
-# hidden 2048 (tools/gpu/NOTES.md, "TMA pass"). Keyed by (kernel, BLOCK_D); a pair is
+# hidden 2048 (docs/kernels/tuning-log.md, "TMA pass"). Keyed by (kernel, BLOCK_D); a pair is
 # (non-causal, causal). Causal tiles are smaller where the diagonal makes short rows common; the
 # causal forward at D <= 64 takes 64 x 64 tiles up to N = 2048 (346 against 335 TFLOP/s at N = 2048)
 # and 64 x 128 above (390 against 379 at N = 8192, 414 against 397 at N = 16384).
@@ -130,6 +130,18 @@ _TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("flashattn_tuni
 
 def current_tuning() -> Tuning:
     return _TUNING.get()
+
+
+@contextlib.contextmanager
+def tuning_of(state: Tuning):
+    """Run the ``with`` block under a :class:`Tuning` captured earlier. The autograd engine runs a
+    CUDA backward on its own thread, where :func:`tuning` of the caller is not set, so the forward
+    captures the state and the backward restores it."""
+    token = _TUNING.set(state)
+    try:
+        yield
+    finally:
+        _TUNING.reset(token)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from flashattn import reference
+from flashattn import _config, reference
 from flashattn.problem import Problem
 
 
@@ -63,6 +63,7 @@ class AttentionFunction(torch.autograd.Function):
         o, lse = forward(q, k, v, problem)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.problem, ctx.use_kernels = problem, use_kernels
+        ctx.tuning = _config.current_tuning()  # the backward may run on another thread
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
         return o, lse
 
@@ -72,5 +73,6 @@ class AttentionFunction(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         if do is None:  # only the LSE was used
             do = torch.zeros_like(o)
-        dq, dk, dv = backward(do, q, k, v, o, lse, ctx.problem, dlse)
+        with _config.tuning_of(ctx.tuning):
+            dq, dk, dv = backward(do, q, k, v, o, lse, ctx.problem, dlse)
         return dq, dk, dv, None, None

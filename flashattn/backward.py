@@ -114,7 +114,7 @@ def _bwd_dkdv_inner(
         b_do = do_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
         # dP^T = V dO^T, [BLOCK_N, BLOCK_M], does not need P, so it goes to the tensor cores before the
         # exponentials: the compiled loop runs some of them while this product is in flight, and the
-        # dV and dK products below then issue back to back (tools/gpu/NOTES.md, "dP first")
+        # dV and dK products below then issue back to back (docs/kernels/tuning-log.md, "dP first in the backward loops")
         dp_t = tl.dot(b_v, tl.trans(b_do))
         p_t = tl.exp2(s_t - b_lse2[None, :])  # P = exp(s - lse): the forward's softmax, recomputed
         if MASKED:

@@ -5,6 +5,7 @@ folder): these tests check the harness's code paths, never a performance claim.
 """
 
 import copy
+import subprocess
 import json
 
 import pytest
@@ -18,21 +19,45 @@ from flashattn import cost as cost_model
 
 def test_grid_holds_tokens_and_width_fixed():
     settings = grid.make_grid()
-    assert len(settings) == 2 * 2 * 2 * 6 + 2 * 1 * 2 * 6  # dtype x D x mask x N, then D = 256 for ours
-    for s in settings:
+    plain = [s for s in settings if not s.gqa]
+    assert len(plain) == 2 * 3 * 2 * 6  # dtype x D x mask x N, every provider
+    for s in plain:
         assert s.batch * s.seqlen == 16384
         assert s.heads * s.head_dim == 2048
-        assert s.peers == (s.head_dim in (64, 128))
-    assert {s.seqlen for s in settings} == {512, 1024, 2048, 4096, 8192, 16384}
-    assert {s.dtype for s in settings} == {"float16", "bfloat16"}
-    assert {(s.head_dim, s.heads) for s in settings} == {(64, 32), (128, 16), (256, 8)}
-    # The side-by-side part runs first; within a group the lengths ascend (the first is the check shape).
-    first_ours_only = next(i for i, s in enumerate(settings) if not s.peers)
-    assert all(s.peers for s in settings[:first_ours_only]) and not any(s.peers for s in settings[first_ours_only:])
+        assert s.peers and s.h_kv == s.heads
+    assert {s.seqlen for s in plain} == {512, 1024, 2048, 4096, 8192, 16384}
+    assert {s.dtype for s in plain} == {"float16", "bfloat16"}
+    assert {(s.head_dim, s.heads) for s in plain} == {(64, 32), (128, 16), (256, 8)}
+    # Within a group the lengths ascend (the first is the check shape); every setting is distinct.
     for a, b in zip(settings, settings[1:]):
         if a.group == b.group:
             assert a.seqlen < b.seqlen
     assert len({s.key for s in settings}) == len(settings)
+
+
+def test_grid_has_a_gqa_row_after_the_rest():
+    settings = grid.make_grid()
+    gqa = [s for s in settings if s.gqa]
+    assert [s.seqlen for s in gqa] == [512, 2048, 8192]
+    assert settings[-len(gqa):] == gqa  # the side-by-side plain grid finishes first
+    for s in gqa:
+        assert (s.heads, s.h_kv, s.head_dim, s.dtype, s.causal) == (32, 8, 128, "bfloat16", True)
+        assert s.batch * s.seqlen == 16384 and s.peers
+        assert s.gqa == "32:8" and "GQA 32:8" in s.label()
+    # The GQA row is its own line: never grouped with the plain bf16 D = 128 causal settings.
+    plain = grid.make_setting("bfloat16", 128, True, 8192)
+    assert plain.group != gqa[-1].group and plain.key != gqa[-1].key
+    assert grid.make_grid(gqa_seqlens=()) == [s for s in settings if not s.gqa]
+
+
+def test_gqa_inputs_have_fewer_kv_heads():
+    s = grid.make_setting("float32", 16, True, 16, tokens=32, heads=4, kv_heads=2)
+    q, k, v, do = measure.make_inputs(s, "cpu")
+    assert q.shape == do.shape == (2, 4, 16, 16) and k.shape == v.shape == (2, 2, 16, 16)
+    # FLOPs count query heads: GQA does the work of Hq heads.
+    assert measure.attention_flops(s, "fwd") == cost_model.attention_flops(2, 4, 16, 16, 16, causal=True, mode="fwd")
+    with pytest.raises(ValueError, match="kv_heads"):
+        grid.make_setting("float32", 16, True, 16, tokens=32, heads=4, kv_heads=3)
 
 
 def test_grid_rejects_shapes_off_the_token_budget():
@@ -49,6 +74,9 @@ def test_peers_skip_ours_only_head_dims():
         assert "flashattn only" in providers.PROVIDERS[name].skip_reason(s256)
         assert providers.PROVIDERS[name].skip_reason(s128) is None
     assert providers.PROVIDERS["flashattn"].skip_reason(s256) is None
+    # D = 256 is in the side-by-side grid now: no provider skips it there.
+    for s in grid.make_grid():
+        assert all(p.skip_reason(s) is None for p in providers.get(providers.DEFAULT))
 
 
 # -- FLOPs: the cost model's formula, no second one -------------------------------------------------------
@@ -118,9 +146,11 @@ CPU_PROVIDERS = [providers.PROVIDERS["flashattn"], providers.PROVIDERS["referenc
 
 
 def tiny_grid():
-    # float32 on a CPU: flashattn runs its tile-by-tile reference there. 2 x 2 x 2 settings + 2 ours-only.
+    # float32 on a CPU: flashattn runs its tile-by-tile reference there. D = 16 (every provider) and
+    # D = 32 (ours only), 2 masks x 2 lengths each, then a GQA 4:2 row at 2 lengths: 10 settings.
     return grid.make_grid(dtypes=("float32",), head_dims=(16,), head_dims_ours_only=(32,), causal=(False, True),
-                          seqlens=(16, 32), tokens=64, hidden=64)
+                          seqlens=(16, 32), tokens=64, hidden=64, gqa_seqlens=(16, 32), gqa_heads=(4, 2),
+                          gqa_head_dim=16, gqa_dtype="float32", gqa_causal=True)
 
 
 def run_tiny(**kw):
@@ -144,20 +174,31 @@ def test_loop_records_every_setting_provider_and_pass(tiny):
     settings = tiny_grid()
     assert len(tiny["measurements"]) == len(settings) * len(CPU_PROVIDERS) * 2
     assert len(tiny["memory"]) == len(settings) * len(CPU_PROVIDERS)
-    by = {(m["provider"], m["head_dim"], m["causal"], m["seqlen"], m["pass"]): m for m in tiny["measurements"]}
-    ok = by[("flashattn", 16, True, 32, "bwd")]
+    by = {(m["provider"], m["head_dim"], m["causal"], m["kv_heads"], m["seqlen"], m["pass"]): m
+          for m in tiny["measurements"]}
+    assert len(by) == len(tiny["measurements"])  # the GQA row does not overwrite the plain D = 16 settings
+    ok = by[("flashattn", 16, True, None, 32, "bwd")]
     s = grid.make_setting("float32", 16, True, 32, tokens=64, hidden=64)
     assert ok["status"] == "ok" and ok["ms"] == FAKE_MS
     assert ok["tflops"] == pytest.approx(measure.attention_flops(s, "bwd") / (FAKE_MS * 1e-3) / 1e12)
-    assert ok["batch"] == 2 and ok["heads"] == 4
+    assert ok["batch"] == 2 and ok["heads"] == 4 and "gqa" not in ok
+    gqa = by[("flashattn", 16, True, 2, 32, "fwd")]
+    assert gqa["status"] == "ok" and gqa["heads"] == 4 and gqa["gqa"] == "native"
+    assert by[("reference", 16, True, 2, 32, "fwd")]["status"] == "ok"
 
 
 def test_loop_records_failures_instead_of_crashing(tiny):
     for m in tiny["measurements"]:
+        # The first length of a group is attempted; the longer ones are not retried, and say why.
         if m["provider"] == "boom" and m["head_dim"] == 16:
-            assert m["status"] == "error" and "boom" in m["error"]
+            if m["seqlen"] == 16:
+                assert m["status"] == "error" and "boom" in m["error"]
+            else:
+                assert m["status"] == "skipped" and m["error"].startswith("not retried: error at N = 16")
+                assert "boom" in m["error"]
         if m["provider"] == "nokernel" and m["head_dim"] == 16:
-            assert m["status"] == "unsupported" and "No available kernel" in m["error"]
+            expected = "unsupported" if m["seqlen"] == 16 else "skipped"
+            assert m["status"] == expected and "No available kernel" in m["error"]
         if m["head_dim"] == 32:  # ours only: flashattn and the reference run, the rest are skipped
             if m["provider"] in ("flashattn", "reference"):
                 assert m["status"] == "ok"
@@ -167,17 +208,19 @@ def test_loop_records_failures_instead_of_crashing(tiny):
 
 
 def test_correctness_check_runs_once_per_group_and_can_fail(tiny):
-    checks = {(c["provider"], c["head_dim"], c["causal"]): c for c in tiny["checks"]}
+    checks = {(c["provider"], c["head_dim"], c["causal"], c["kv_heads"]): c for c in tiny["checks"]}
     assert all(c["seqlen"] == 16 for c in tiny["checks"])  # the first length of each group
-    assert len(tiny["checks"]) == 2 * len(CPU_PROVIDERS) + 2 * 2  # D=16: all; D=32: flashattn, reference
+    # D=16: all providers, both masks; D=32: flashattn and the reference; the GQA row: all providers.
+    assert len(tiny["checks"]) == len(checks) == 2 * len(CPU_PROVIDERS) + 2 * 2 + len(CPU_PROVIDERS)
+    assert checks[("flashattn", 16, True, 2)]["passed"] and not checks[("wrong", 16, True, 2)]["passed"]
     for causal in (False, True):
-        assert checks[("flashattn", 16, causal)]["passed"], checks[("flashattn", 16, causal)]
-        assert checks[("reference", 16, causal)]["passed"]
-        wrong = checks[("wrong", 16, causal)]
+        assert checks[("flashattn", 16, causal, None)]["passed"], checks[("flashattn", 16, causal, None)]
+        assert checks[("reference", 16, causal, None)]["passed"]
+        wrong = checks[("wrong", 16, causal, None)]
         assert not wrong["passed"] and wrong["status"] == "failed"
         assert wrong["rel_err"]["o"] == pytest.approx(0.1, rel=1e-3)  # 1.1 x o is 10 % off
-        assert checks[("boom", 16, causal)]["status"] == "error"
-        assert checks[("nokernel", 16, causal)]["status"] == "unsupported"
+        assert checks[("boom", 16, causal, None)]["status"] == "error"
+        assert checks[("nokernel", 16, causal, None)]["status"] == "unsupported"
 
 
 def test_results_are_handed_over_after_every_setting(tiny_run):
@@ -194,6 +237,24 @@ def test_results_are_handed_over_after_every_setting(tiny_run):
 def test_failures_are_classified(exc, status):
     got, message = measure.classify_error(exc)
     assert got == status and type(exc).__name__ in message
+
+
+def test_out_of_memory_is_retried_at_the_next_length():
+    class OOMAtFirst(providers.Provider):
+        name, label = "oomfirst", "out of memory at N = 16 only"
+
+        def prepare(self, setting, device):
+            from flashattn.reference import naive_attention
+
+            def fn(q, k, v):
+                if q.shape[2] == 16:
+                    raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+                return naive_attention(q, k, v, causal=setting.causal)[0]
+            return fn
+
+    out = run.run_grid(tiny_grid()[:2], [OOMAtFirst()], device="cpu", timer=fake_timer,
+                       peak_memory=lambda fn, inputs: 1, log=lambda s: None)
+    assert [m["status"] for m in out["measurements"]] == ["oom", "oom", "ok", "ok"]
 
 
 def test_time_budget_skips_the_rest_with_a_reason():
@@ -217,7 +278,8 @@ def synthetic_results(measured):
     cfg = {"quick": True, "warmup_ms": 1, "rep_ms": 1, "timer": "fake (test)", "forward": "f", "backward": "b",
            "memory": "m", "flops": "attention_flops", "check": "c"}
     g = grid.grid_description(dtypes=("float32",), head_dims=(16,), head_dims_ours_only=(32,), causal=(False, True),
-                              seqlens=(16, 32), tokens=64, hidden=64)
+                              seqlens=(16, 32), tokens=64, hidden=64, gqa_seqlens=(16, 32), gqa_heads=(4, 2),
+                              gqa_head_dim=16, gqa_dtype="float32", gqa_causal=True)
     res = results.new_results(environment=SYNTHETIC_ENV, config=cfg, grid=g,
                               providers={p.name: p.describe() for p in CPU_PROVIDERS})
     res.update(copy.deepcopy(measured))
@@ -267,10 +329,11 @@ def hand_made_results():
 
 def test_ratios_are_ours_over_peer():
     r = report.ratios(hand_made_results())
-    assert r[("float32", 16, False, 16, "fwd")]["reference"] == pytest.approx(2.0)
-    assert r[("float32", 16, True, 32, "bwd")]["reference"] == pytest.approx(0.5)
+    assert r[("float32", 16, False, "", 16, "fwd")]["reference"] == pytest.approx(2.0)
+    assert r[("float32", 16, True, "", 32, "bwd")]["reference"] == pytest.approx(0.5)
+    assert r[("float32", 16, True, "4:2", 32, "bwd")]["reference"] == pytest.approx(0.5)
     mins = report.min_ratios(hand_made_results(), min_seqlen=16)
-    assert mins[("float32", 16, False, "fwd")]["reference"] == (pytest.approx(0.5), 32)
+    assert mins[("float32", 16, False, "", "fwd")]["reference"] == (pytest.approx(0.5), 32)
 
 
 def test_plots_and_summary_are_written(tmp_path):
@@ -311,18 +374,53 @@ def test_run_main_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(run, "environment", lambda device: dict(SYNTHETIC_ENV))
     monkeypatch.setattr(measure, "do_bench_timer", lambda warmup, rep: fake_timer)
     monkeypatch.setattr(measure, "cuda_peak_memory", lambda fn, inputs: 2**20)
+    # The latency section runs for real on the CPU (wall clock, eager only: compiling needs a C compiler
+    # and minutes), on two tiny shapes with short loops.
     argv = ["--dtypes", "float32", "--head-dims", "16", "--head-dims-ours-only", "32", "--seqlens", "16,32",
-            "--tokens", "64", "--hidden", "64", "--providers", "flashattn,reference", "--long-seqlen", "0",
-            "--no-progress", "--out", str(tmp_path)]
+            "--gqa-seqlens", "", "--tokens", "64", "--hidden", "64", "--providers", "flashattn,reference",
+            "--long-seqlen", "0", "--latency-modes", "eager", "--latency-dtypes", "float32",
+            "--latency-head-dims", "16", "--latency-seqlens", "16", "--latency-batch-heads", "1x2",
+            "--latency-target-ms", "1", "--latency-repeats", "2", "--no-progress", "--out", str(tmp_path)]
     assert run.main(argv) == 0
     res = results.load(tmp_path / "results.json")
-    assert res["complete"] and res["grid"]["tokens"] == 64
+    assert res["complete"] and res["grid"]["tokens"] == 64 and "gqa" not in res["grid"]
+    assert res["config"]["sections"] == ["grid", "latency"]
     assert len(res["measurements"]) == 8 * 2 * 2 and all(m["status"] == "ok" for m in res["measurements"])
     assert all(c["passed"] for c in res["checks"]) and len(res["checks"]) == 4 * 2
+    lat = res["latency"]["records"]
+    # 2 shapes (both masks) x 2 providers x 1 mode x 2 passes, every one timed.
+    assert len(lat) == 2 * 2 * 2 and all(r["status"] == "ok" and r["us_per_call"] > 0 for r in lat)
+    assert {(r["provider"], r["mode"], r["pass"]) for r in lat} == {
+        (p, "eager", q) for p in ("flashattn", "reference") for q in ("fwd", "fwd_bwd")}
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "results.json", "summary.md", "tflops_bwd_float32.png", "tflops_fwd_float32.png"]
+        "latency_fwd.png", "latency_fwd_bwd.png", "results.json", "summary.md", "tflops_bwd_float32.png",
+        "tflops_fwd_float32.png"]
     printed = capsys.readouterr().out
-    assert "vs reference" in printed  # the ratio table ends the run's output
+    assert "vs reference" in printed  # the ratio table ends the grid's output
+    summary = (tmp_path / "summary.md").read_text()
+    assert "### Per-call latency at small shapes" in summary and "#### µs per call, eager" in summary
+
+
+def test_run_latency_section_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(run, "DEVICE", "cpu")
+    monkeypatch.setattr(run, "environment", lambda device: dict(SYNTHETIC_ENV))
+    argv = ["--sections", "latency", "--providers", "reference", "--latency-modes", "eager",
+            "--latency-passes", "fwd", "--latency-dtypes", "float32", "--latency-head-dims", "16",
+            "--latency-seqlens", "16", "--latency-batch-heads", "1x2", "--latency-causal", "false",
+            "--latency-target-ms", "1", "--latency-repeats", "1", "--no-progress", "--out", str(tmp_path)]
+    assert run.main(argv) == 0
+    res = results.load(tmp_path / "results.json")
+    assert res["grid"] is None and res["measurements"] == [] and len(res["latency"]["records"]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latency_fwd.png", "results.json", "summary.md"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "### TFLOP/s" not in summary and "Per-call latency" in summary
+
+
+def test_run_rejects_unknown_sections(capsys):
+    with pytest.raises(SystemExit):
+        run.parse_args(["--sections", "grid,speed"])
+    assert "--sections" in capsys.readouterr().err
 
 
 def test_run_rejects_unknown_providers():
@@ -335,9 +433,403 @@ def test_run_rejects_unknown_providers():
 def test_run_smoke_on_gpu(tmp_path):
     argv = ["--dtypes", "float16", "--head-dims", "64", "--head-dims-ours-only", "", "--causal", "both",
             "--seqlens", "1024", "--providers", "flashattn,sdpa_flash", "--warmup-ms", "5", "--rep-ms", "10",
-            "--flex-workers", "0", "--long-seqlen", "0", "--no-progress", "--out", str(tmp_path)]
+            "--flex-workers", "0", "--long-seqlen", "0", "--gqa-seqlens", "", "--sections", "grid",
+            "--no-progress", "--out", str(tmp_path)]
     assert run.main(argv) == 0
     res = results.load(tmp_path / "results.json")
     assert res["complete"]
     assert all(c["passed"] for c in res["checks"] if c["provider"] == "flashattn")
     assert all(m["status"] == "ok" for m in res["measurements"] if m["provider"] == "flashattn")
+
+
+# -- the latency section ----------------------------------------------------------------------------------
+
+from benchmarks import ab, latency, registers, tune  # noqa: E402
+
+
+class QueueModel:
+    """A fake host clock and GPU: each call costs the host ``host_s`` and queues ``gpu_s`` of GPU work;
+    ``sync`` waits until the queue is empty. What a CUDA stream does, with made-up costs (synthetic)."""
+
+    def __init__(self, host_s, gpu_s):
+        self.host_s, self.gpu_s, self.now, self.gpu_free = host_s, gpu_s, 0.0, 0.0
+
+    def clock(self):
+        return self.now
+
+    def call(self):
+        self.now += self.host_s
+        self.gpu_free = max(self.gpu_free, self.now) + self.gpu_s
+
+    def sync(self):
+        self.now = max(self.now, self.gpu_free)
+
+
+@pytest.mark.parametrize("host_us, gpu_us", [(2.0, 5.0), (5.0, 2.0)])
+def test_wall_clock_per_call_is_the_slower_of_host_and_gpu(host_us, gpu_us):
+    model = QueueModel(host_us * 1e-6, gpu_us * 1e-6)
+    timer = latency.WallClock(target_ms=1.0, repeats=3, warmup_calls=2, clock=model.clock)
+    got = timer(model.call, model.sync)
+    n = got["calls"]
+    # About 1 ms of calls per loop (the length is estimated from 3 calls, so a little under).
+    assert 0.8e3 <= n * max(host_us, gpu_us) <= 1.0e3 and got["repeats"] == 3 and len(got["samples_us"]) == 3
+    # Back-to-back calls: the wall time per call is the slower side's (plus one call of the other's latency / n).
+    assert got["us_per_call"] == pytest.approx(max(host_us, gpu_us) + min(host_us, gpu_us) / n, rel=1e-9)
+    assert got["host_us_per_call"] == pytest.approx(host_us)
+
+
+def test_wall_clock_loop_length_is_bounded():
+    timer = latency.WallClock(target_ms=10.0)
+    assert timer.calls_for(1e-3) == 10 and timer.calls_for(1e-4) == 100
+    assert timer.calls_for(0.0) == latency.MAX_CALLS and timer.calls_for(1.0) == latency.MIN_CALLS
+
+
+def test_latency_shapes_follow_the_issue():
+    shapes = latency.make_shapes()
+    assert len(shapes) == 3 * 2 * 2 * 2  # N x (B, H) x D x mask, one dtype
+    assert {s.seqlen for s in shapes} == {128, 512, 1024}
+    assert {s.batch * s.heads for s in shapes} == {16, 128}
+    assert {s.head_dim for s in shapes} == {64, 128} and {s.causal for s in shapes} == {False, True}
+    # Mask outermost: dynamo sees one mask at a time.
+    assert [s.causal for s in shapes] == sorted(s.causal for s in shapes)
+
+
+def tiny_shapes():
+    return latency.make_shapes(dtypes=("float32",), head_dims=(16,), seqlens=(16,), batch_heads=((1, 2),))
+
+
+class RecordingCompile:
+    """A stand-in for torch.compile that records how it was called; ``fail`` makes the compiled call raise."""
+
+    def __init__(self, fail=False):
+        self.calls, self.fail = [], fail
+
+    def __call__(self, fn, **kwargs):
+        self.calls.append(kwargs)
+        if not self.fail:
+            return fn
+
+        def broken(*args):
+            raise RuntimeError("Dynamo does not know how to trace the builtin native_specialize_impl")
+        return broken
+
+
+def run_tiny_latency(provs, compile_fn, **kw):
+    return latency.run_latency(tiny_shapes(), provs, device="cpu", compile_fn=compile_fn,
+                               measure_fn=latency.WallClock(target_ms=0.5, repeats=1, warmup_calls=1),
+                               reset=lambda: None, log=lambda s: None, **kw)
+
+
+def test_latency_runs_every_provider_mode_and_pass():
+    compile_fn = RecordingCompile()
+    recs = run_tiny_latency([providers.PROVIDERS["flashattn"], providers.PROVIDERS["reference"]], compile_fn)
+    assert len(recs) == 2 * 2 * 3 * 2  # shapes (2 masks) x providers x modes x passes
+    assert all(r["status"] == "ok" and r["us_per_call"] > 0 and r["host_us_per_call"] > 0 for r in recs)
+    assert all(r["host_us_per_call"] <= r["us_per_call"] * (1 + 1e-9) for r in recs)  # on a CPU: no queue
+    modes = {kw.get("mode") for kw in compile_fn.calls}
+    assert modes == {None, "reduce-overhead"}
+    assert all(kw["fullgraph"] and kw["dynamic"] for kw in compile_fn.calls)
+    assert len(compile_fn.calls) == 2 * 2 * 2  # shapes x providers x compiled modes: eager is never compiled
+    results.validate_latency(latency.section(tiny_shapes(), [providers.PROVIDERS["reference"]], [
+        r for r in recs if r["provider"] == "reference"], latency.WallClock()), {"reference": {}})
+
+
+def test_latency_records_a_failed_compile_and_goes_on():
+    recs = run_tiny_latency([providers.PROVIDERS["reference"]], RecordingCompile(fail=True))
+    for r in recs:
+        if r["mode"] == "eager":
+            assert r["status"] == "ok"
+        else:
+            assert r["status"] == "error" and "native_specialize_impl" in r["error"]
+
+
+class ContextCounter(providers.Provider):
+    """The reference, with a backend context (like SDPA's) that counts how often it is entered."""
+
+    name, label = "reference", "counting"
+
+    def __init__(self):
+        self.entered = 0
+
+    def latency_parts(self, setting, device, compile_fn):
+        from flashattn.reference import naive_attention
+        import contextlib
+
+        @contextlib.contextmanager
+        def context():
+            self.entered += 1
+            yield
+
+        return providers.LatencyParts(lambda q, k, v: naive_attention(q, k, v, causal=setting.causal)[0],
+                                      context=context)
+
+
+def test_latency_enters_a_backend_context_once_per_shape_not_per_call():
+    prov = ContextCounter()
+    recs = run_tiny_latency([prov], RecordingCompile(), modes=("eager",))
+    assert all(r["status"] == "ok" and r["calls"] >= latency.MIN_CALLS for r in recs)
+    assert prov.entered == len(tiny_shapes())
+
+
+class CompiledOnly(providers.Provider):
+    """Like FlexAttention: the eager column is already a compiled call; compiling again is skipped."""
+
+    name, label = "reference", "compiled only"
+
+    def latency_parts(self, setting, device, compile_fn):
+        fn = providers.PROVIDERS["reference"].prepare(setting, device)
+        return providers.LatencyParts(fn, compiled_modes=False, note="eager = compiled already")
+
+
+def test_latency_skips_compiling_a_provider_twice_and_says_why():
+    compile_fn = RecordingCompile()
+    recs = run_tiny_latency([CompiledOnly()], compile_fn)
+    for r in recs:
+        if r["mode"] == "eager":
+            assert r["status"] == "ok" and r["note"] == "eager = compiled already"
+        else:
+            assert r["status"] == "skipped" and "eager = compiled already" in r["error"]
+    assert compile_fn.calls == []
+
+
+def test_latency_budget_skips_with_a_reason():
+    class Spent(run.Clock):
+        def over(self):
+            return True
+
+    recs = run_tiny_latency([providers.PROVIDERS["reference"]], RecordingCompile(), clock=Spent(1.0))
+    assert recs and all(r["status"] == "skipped" and "time budget" in r["error"] for r in recs)
+
+
+def test_gqa_is_not_a_latency_shape():
+    s = grid.make_setting("float32", 16, True, 16, tokens=32, heads=4, kv_heads=2)
+    with pytest.raises(providers.Unsupported):
+        providers.PROVIDERS["sdpa_flash"].latency_parts(s, "cpu", RecordingCompile())
+
+
+def latency_results(flash_us, sdpa_us):
+    """Synthetic latency records: flashattn and SDPA flash at every tiny shape, every mode and pass."""
+    res = synthetic_results({"checks": [], "measurements": [], "memory": []})
+    res["providers"] = {"flashattn": {"label": "flashattn (ours)"}, "sdpa_flash": {"label": "SDPA flash"}}
+    recs = []
+    for s in latency.make_shapes(dtypes=("bfloat16",), head_dims=(64,), seqlens=(128, 512), batch_heads=((1, 16),)):
+        for mode in latency.MODES:
+            for p in latency.PASSES:
+                for prov, us in (("flashattn", flash_us[mode]), ("sdpa_flash", sdpa_us)):
+                    recs.append({**{k: getattr(s, k) for k in results.SETTING_KEYS}, "provider": prov, "mode": mode,
+                                 "pass": p, "status": "ok", "us_per_call": us, "host_us_per_call": us / 2})
+    res["latency"] = {"config": {"timer": "synthetic", "forward": "f", "fwd_bwd": "fb", "modes": latency.MODE_HOW,
+                                 "target_ms": 1, "repeats": 1}, "records": recs}
+    results.validate(res)
+    return res
+
+
+def test_latency_table_marks_the_targets(tmp_path):
+    res = latency_results({"eager": 30.0, "compile": 25.0, "reduce-overhead": 24.0}, sdpa_us=20.0)
+    table = report.latency_target_table(res)
+    rows = [line for line in table.splitlines() if line.startswith("| bfloat16 | 64 | non-causal | fwd |")]
+    assert rows == ["| bfloat16 | 64 | non-causal | fwd | 1.50× ✓ | 1.25× | 1.20× ✗ (>1.1) |"]
+    paths = report.write_all(res, tmp_path)
+    assert sorted(p.name for p in paths) == ["latency_fwd.png", "latency_fwd_bwd.png", "summary.md"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "#### µs per call, reduce-overhead" in summary
+    assert "| bfloat16 | 64 | causal | 512 | 16 | fwd_bwd | 24.0 (1.20×) | 20.0 |" in summary
+    assert "### TFLOP/s" not in summary  # no grid measured: no grid tables
+
+
+def test_committed_results_render_without_a_latency_section(tmp_path):
+    res = results.load("benchmarks/results/results.json")
+    assert res.get("latency") is None  # schema 1: the section did not exist
+    assert report.latency_plot_files(res, tmp_path) == [] and report.latency_target_table(res) == ""
+    summary = report.summary_markdown(res)
+    assert "Per-call latency" not in summary and "### TFLOP/s" in summary
+
+
+@pytest.mark.parametrize("break_it, words", [
+    (lambda r: r["latency"]["records"][0].__setitem__("mode", "jit"), "mode"),
+    (lambda r: r["latency"]["records"][0].__setitem__("pass", "bwd"), "pass"),
+    (lambda r: r["latency"]["records"][0].__setitem__("us_per_call", 0.0), "us_per_call"),
+    (lambda r: r["latency"]["records"][0].update(status="error"), "error"),
+    (lambda r: r["latency"].pop("config"), "config"),
+])
+def test_latency_validation_rejects(break_it, words):
+    res = latency_results({"eager": 30.0, "compile": 25.0, "reduce-overhead": 24.0}, sdpa_us=20.0)
+    break_it(res)
+    with pytest.raises(ValueError, match=words):
+        results.validate(res)
+
+
+# -- A/B against a git revision ---------------------------------------------------------------------------
+
+def test_compare_is_bitwise():
+    x = torch.randn(3, 4)
+    y = x.clone()
+    y[1, 2] = float("nan")
+    assert ab.compare({"o": y}, {"o": y.clone()})["o"]["bitwise_equal"]  # NaN where both have it: same bits
+    z = x.clone()
+    z[0, 0] = torch.nextafter(z[0, 0], torch.tensor(float("inf")))  # one ulp
+    got = ab.compare({"o": z}, {"o": x})["o"]
+    assert not got["bitwise_equal"] and 0 < got["max_abs_diff"] < 1e-6
+    assert not ab.compare({"o": x.double()}, {"o": x})["o"]["bitwise_equal"]
+
+
+def test_ab_refuses_an_unknown_revision_and_leaves_nothing(monkeypatch, tmp_path):
+    monkeypatch.setattr(ab.tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(ValueError, match="no-such-rev"):
+        ab.run_ab("no-such-rev", [], device="cpu", timer="wall")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ab_against_head_on_cpu(monkeypatch, tmp_path):
+    # Two worker processes, the working tree's flashattn and HEAD's exported copy, on the reference path.
+    monkeypatch.setattr(ab.tempfile, "tempdir", str(tmp_path))
+    s = grid.make_setting("float32", 16, True, 16, tokens=16, hidden=32)
+    lines = []
+    out = ab.run_ab("HEAD", [s], device="cpu", timer="wall", repeats=2, log=lines.append)
+    assert list(tmp_path.iterdir()) == []  # the exported revision is gone
+    assert out["new"]["flashattn_file"] == str(ab.REPO / "flashattn")
+    assert out["base"]["flashattn_file"].startswith(str(tmp_path)) and out["base"]["commit"] == ab.resolve("HEAD")
+    assert out["same_sources"] == (run.sources_sha256(ab.REPO / "flashattn") == out["base"]["sources_sha256"])
+    (row,) = out["rows"]
+    assert set(row["outputs"]) == {"o", "dq", "dk", "dv"}
+    if out["same_sources"]:
+        assert row["bitwise_equal"]
+    for side in ("new", "base"):
+        for p in ("fwd", "bwd"):
+            t = row["timings"][side][p]
+            assert len(t["samples"]) == 2 and t["ms"] > 0 and t["tflops"] > 0
+    assert ab.speedup(row, "fwd") == pytest.approx(row["timings"]["base"]["fwd"]["ms"] / row["timings"]["new"]["fwd"]["ms"])
+    assert "outputs bitwise equal" in lines[-1] or not out["same_sources"]
+
+
+# -- tuning sweeps ----------------------------------------------------------------------------------------
+
+def pins_timer(seen):
+    """A fake timer that records what the tuning context and the autograd engine look like during the call."""
+    from flashattn import _config
+
+    def timer(fn, grad_to_none=None):
+        t = _config.current_tuning()
+        seen.append((dict(t.configs), t.heads_per_group, t.overlap_dq, torch.autograd.is_multithreading_enabled()))
+        return fake_timer(fn, grad_to_none)
+    return timer
+
+
+def test_config_sweep_pins_one_kernel_per_variant():
+    from flashattn import _config
+
+    s = grid.make_setting("float32", 16, False, 16, tokens=16, hidden=32)
+    space = {16: {"fwd": [[32, 16, 4, 1]], "bwd_dq": [[16, 16, 4, 1], [64, 16, 4, 1]]}}
+    seen = []
+    rows = tune.sweep([s], lambda st: tune.config_variants(st, "cpu", ("fwd", "bwd_dq"), space), device="cpu",
+                      timer=pins_timer(seen), log=lambda x: None)
+    assert [r["variant"] for r in rows] == ["table", "fwd (32, 16, 4, 1)", "bwd_dq (16, 16, 4, 1)",
+                                            "bwd_dq (64, 16, 4, 1)"]
+    assert set(rows[0]) >= {"fwd", "bwd"} and "bwd" not in rows[1] and "fwd" not in rows[2]
+    assert [pins for pins, *_ in seen] == [{}, {}, {"fwd": _config.KernelConfig(32, 16, 4, 1)},
+                                           {"bwd_dq": _config.KernelConfig(16, 16, 4, 1)},
+                                           {"bwd_dq": _config.KernelConfig(64, 16, 4, 1)}]
+    # The backward must run on the calling thread, or the pin would not reach it on a GPU.
+    assert not any(multithreaded for *_, multithreaded in seen)
+    assert _config.current_tuning().configs == {}  # restored after the sweep
+
+
+def test_config_sweep_defaults_to_the_package_neighbourhood():
+    s = grid.make_setting("float32", 16, True, 16, tokens=16, hidden=32)
+    variants = tune.config_variants(s, "cpu")
+    assert variants[0][0] == "table"
+    per_kernel = {k: [kw[k] for _, kw, _ in variants[1:] if k in kw] for k in tune.KERNEL_PASS}
+    from flashattn import _config
+    for kernel, cfgs in per_kernel.items():
+        assert cfgs == _config.tuning_space(kernel, 16, torch.device("cpu"), True, 16)
+
+
+def test_order_and_overlap_sweeps_set_their_switch():
+    s = grid.make_setting("float32", 16, True, 16, tokens=16, hidden=32)
+    seen = []
+    tune.sweep([s], lambda st: tune.order_variants((1, 4)), device="cpu", timer=pins_timer(seen), log=lambda x: None)
+    assert [g for _, g, _, _ in seen] == [None, None, 1, 1, 4, 4]  # auto, G=1, G=4; fwd and bwd each
+    seen.clear()
+    rows = tune.sweep([s], lambda st: tune.overlap_variants(), device="cpu", timer=pins_timer(seen),
+                      peers=("reference",), log=lambda x: None)
+    assert [o for _, _, o, _ in seen] == [True, False, True, True]  # overlap, serial, then the peer's 2 passes
+    assert [r["variant"] for r in rows] == ["overlap_dq", "serial", "reference"]
+
+
+def test_sweep_records_a_config_that_fails():
+    s = grid.make_setting("float32", 16, False, 16, tokens=16, hidden=32)
+
+    def timer(fn, grad_to_none=None):
+        from flashattn import _config
+        if _config.current_tuning().configs:
+            raise RuntimeError("out of resource: shared memory")
+        return fake_timer(fn, grad_to_none)
+
+    rows = tune.sweep([s], lambda st: tune.config_variants(st, "cpu", ("fwd",), {16: {"fwd": [[256, 256, 8, 4]]}}),
+                      device="cpu", timer=timer, log=lambda x: None)
+    assert "error" not in rows[0] and rows[1]["status"] == "error" and "shared memory" in rows[1]["error"]
+
+
+def test_profile_lists_what_ran(tmp_path):
+    s = grid.make_setting("float32", 16, True, 16, tokens=16, hidden=32)
+    rows = tune.profile([s], device="cpu", calls=2, log=lambda x: None)
+    assert rows and all(r["us"] > 1 for r in rows)
+    assert any("mm" in r["kernel"] or "matmul" in r["kernel"] for r in rows)
+
+
+def test_registers_covers_every_table_entry():
+    jobs = registers.jobs()
+    assert {(kernel, d, causal) for kernel, _, d, _, causal, _ in jobs} == {
+        (kernel, d, causal) for kernel in tune.KERNEL_PASS for d in (16, 64, 72, 128, 256) for causal in (False, True)}
+    extra = registers.jobs([(64, 128, 8, 3)])[len(jobs):]
+    assert [(kernel, cfg.block_m, cfg.block_n) for kernel, *_, cfg in extra] == [
+        (kernel, 64, 128) for kernel in tune.KERNEL_PASS]
+
+
+def test_update_adds_the_latency_section_to_an_earlier_grid_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(run, "DEVICE", "cpu")
+    monkeypatch.setattr(measure, "do_bench_timer", lambda warmup, rep: fake_timer)
+    monkeypatch.setattr(measure, "cuda_peak_memory", lambda fn, inputs: 2**20)
+    common = ["--providers", "reference", "--no-progress", "--out", str(tmp_path)]
+    monkeypatch.setattr(run, "environment", lambda device: dict(SYNTHETIC_ENV, date="grid run"))
+    assert run.main(["--sections", "grid", "--dtypes", "float32", "--head-dims", "16", "--seqlens", "16",
+                     "--gqa-seqlens", "", "--tokens", "32", "--hidden", "32", "--long-seqlen", "0", *common]) == 0
+    grid_run = results.load(tmp_path / "results.json")
+    monkeypatch.setattr(run, "environment", lambda device: dict(SYNTHETIC_ENV, date="latency run"))
+    assert run.main(["--sections", "latency", "--update", "--latency-modes", "eager", "--latency-passes", "fwd",
+                     "--latency-dtypes", "float32", "--latency-head-dims", "16", "--latency-seqlens", "16",
+                     "--latency-batch-heads", "1x2", "--latency-causal", "true", "--latency-target-ms", "1",
+                     "--latency-repeats", "1", *common]) == 0
+    both = results.load(tmp_path / "results.json")
+    for key in ("environment", "grid", "checks", "measurements", "memory"):
+        assert both[key] == grid_run[key], key
+    assert both["config"]["argv"] == grid_run["config"]["argv"] and "--update" in both["config"]["update_argv"]
+    assert both["latency"]["environment"]["date"] == "latency run" and len(both["latency"]["records"]) == 1
+    summary = (tmp_path / "summary.md").read_text()
+    assert "### TFLOP/s" in summary and "Measured in a separate run" in summary
+    # Without --update the file holds only what this run measured.
+    assert run.main(["--sections", "latency", "--latency-modes", "eager", "--latency-passes", "fwd",
+                     "--latency-dtypes", "float32", "--latency-head-dims", "16", "--latency-seqlens", "16",
+                     "--latency-batch-heads", "1x2", "--latency-causal", "true", "--latency-target-ms", "1",
+                     "--latency-repeats", "1", *common]) == 0
+    assert results.load(tmp_path / "results.json")["measurements"] == []
+
+
+def test_ab_export_then_compare_from_the_folder(tmp_path, monkeypatch):
+    dest = tmp_path / "ab-base"
+    assert ab.main(["HEAD", "--export", str(dest)]) == 0
+    assert (dest / "COMMIT").read_text().strip() == ab.resolve("HEAD")
+    if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "flashattn"], cwd=ab.REPO).returncode == 0:
+        assert run.sources_sha256(dest / "flashattn") == run.sources_sha256(ab.REPO / "flashattn")
+    assert ab.main(["HEAD", "--export", str(dest)]) == 2  # never writes over a folder
+    monkeypatch.setattr(ab.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    s = grid.make_setting("float32", 16, False, 16, tokens=16, hidden=32)
+    out = ab.run_ab(str(dest), [s], device="cpu", timer="wall", repeats=1, log=lambda x: None)
+    assert out["base"]["commit"] == ab.resolve("HEAD")
+    assert out["base"]["flashattn_file"] == str((dest / "flashattn").resolve())
+    assert (dest / "flashattn" / "__init__.py").is_file()  # a given folder is left in place
+    assert list((tmp_path / "tmp").iterdir()) == []
+    if out["same_sources"]:
+        assert out["rows"][0]["bitwise_equal"]

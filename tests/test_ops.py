@@ -285,3 +285,31 @@ def test_lse_gradient_reaches_the_kernels(causal):
     o2 = flashattn.attention(qg2, kg.detach(), vg.detach(), causal=causal)
     dq_o_only = torch.autograd.grad(o2, qg2, do)[0]
     assert (dq_o_only.double() - got[0].double()).abs().max() > 1e-2
+
+
+def test_tuning_reaches_a_backward_on_another_thread(monkeypatch):
+    """The autograd engine runs a CUDA backward on its own thread: the forward's tuning goes along."""
+    from flashattn import _config, autograd
+
+    seen = []
+    real = autograd.backend
+
+    def spy(use_kernels):
+        forward, backward = real(use_kernels)
+
+        def wrapped(*args):
+            seen.append(_config.current_tuning().overlap_dq)
+            return backward(*args)
+
+        return forward, wrapped
+
+    monkeypatch.setattr(autograd, "backend", spy)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = (x.requires_grad_() for x in _qkv(1, 2, 2, 5, 7, 16, torch.float64))
+    with _config.tuning(overlap_dq=False):
+        o = flashattn.attention(q, k, v)
+    grads = []
+    worker = threading.Thread(target=lambda: grads.append(torch.autograd.grad(o.sum(), (q, k, v))))
+    worker.start()
+    worker.join(timeout=60)
+    assert grads and seen == [False]

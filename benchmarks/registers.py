@@ -1,9 +1,9 @@
 """Compile every kernel for sm_90 without a GPU and report registers, stack (spills) and shared memory.
 
-    python tools/gpu/aot_check.py [fp16|bf16] [BM,BN,WARPS,STAGES ...]   # no GPU needed
+    PYTHONPATH=. python -m benchmarks.registers [fp16|bf16] [BM,BN,WARPS,STAGES ...]   # no GPU needed
 
-Uses the Triton installed here (3.9 on the CPU machine; the GPU image has 3.6, so treat the numbers
-as leads).
+Uses the Triton installed where it runs (on a CPU machine that may not be the GPU's version; the
+tuning log's numbers came from Triton 3.6, the GPU image's, so treat other versions' as leads).
 Catches compile errors before a device call costs time, and shows which block shapes spill.
 Strides are marked divisible by 16 (as Triton specializes them for contiguous fp16 tensors); the
 inputs are host tensor descriptors, as the launchers pass them.
@@ -63,22 +63,29 @@ def compile_one(fn, dtype, consts, warps, stages):
     return k.metadata.shared, int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1, wgmma
 
 
-def main():
-    dtype = sys.argv[1] if len(sys.argv) > 1 else "fp16"
-    jobs = []
+def jobs(extra=()) -> list[tuple]:
+    """(kernel, jit function, D, BLOCK_D, causal, KernelConfig) for every Hopper table entry (at N = 2k and
+    16k, where a :class:`_config.ByLength` entry differs), then each ``extra`` config at D = 128, causal."""
+    out = []
+    kernels = (("fwd", forward._attn_fwd_kernel), ("bwd_dkdv", backward._bwd_dkdv_kernel),
+               ("bwd_dq", backward._bwd_dq_kernel))
     for d, block_d in ((64, 64), (128, 128), (72, 128), (256, 256), (16, 16)):
         for causal in (False, True):
-            for kernel, fn in (("fwd", forward._attn_fwd_kernel), ("bwd_dkdv", backward._bwd_dkdv_kernel),
-                               ("bwd_dq", backward._bwd_dq_kernel)):
+            for kernel, fn in kernels:
                 entry = _config._SM90[(kernel, block_d)]
                 for cfg in dict.fromkeys(_config.resolve(entry, causal, n) for n in (2048, 16384)):
-                    jobs.append((kernel, fn, d, block_d, causal, cfg))
-    extra = [tuple(map(int, a.split(","))) for a in sys.argv[2:]]  # kernel configs to try at D=128
+                    out.append((kernel, fn, d, block_d, causal, cfg))
     for bm, bn, w, s in extra:
-        for kernel, fn in (("fwd", forward._attn_fwd_kernel), ("bwd_dkdv", backward._bwd_dkdv_kernel),
-                           ("bwd_dq", backward._bwd_dq_kernel)):
-            jobs.append((kernel, fn, 128, 128, True, _config.KernelConfig(bm, bn, w, s)))
-    for kernel, fn, d, block_d, causal, cfg in jobs:
+        for kernel, fn in kernels:
+            out.append((kernel, fn, 128, 128, True, _config.KernelConfig(bm, bn, w, s)))
+    return out
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    dtype = argv[0] if argv else "fp16"
+    extra = [tuple(map(int, a.split(","))) for a in argv[1:]]  # kernel configs to try at D=128
+    for kernel, fn, d, block_d, causal, cfg in jobs(extra):
         consts = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
         try:
             smem, regs, spill, wg = compile_one(fn, dtype, consts, cfg.num_warps, cfg.num_stages)

@@ -1,0 +1,228 @@
+"""Per-call latency at small shapes: what one call of attention costs a user, host work included.
+
+At N <= 1024 a call does little GPU work, and what the user waits for is the host: Python, input
+checks, the dispatcher, launching each kernel, dynamo's guards. TFLOP/s from ``do_bench`` (CUDA
+events around the GPU work of each call) hide most of that, so this section times differently:
+
+* **Wall clock over back-to-back calls.** ``torch.cuda.synchronize()``, then ``n`` calls in a Python
+  loop with nothing between them, then ``torch.cuda.synchronize()`` again; per call = elapsed / n.
+  While the host is slower than the GPU, the GPU waits for each launch and this is the host's time;
+  once the GPU is slower, the launch queue fills and this is the GPU's time. Either way it is the time
+  a training or inference loop of such calls takes per call. ``n`` is chosen so one loop lasts about
+  ``target_ms``; the median of ``repeats`` loops is reported, in microseconds.
+* **Host time** of the same loop: the clock read when the last call returns, before the final
+  synchronize. It is the host's cost per call while the GPU keeps up; once the launch queue is full
+  it includes waiting for the GPU too, so it is never more than the wall time.
+* No L2 flush between calls (``do_bench`` flushes): back-to-back calls of one layer find their inputs
+  in L2 as a model's small layers often do, and a flush kernel would be counted in the wall time.
+
+Passes: ``fwd`` is a training forward (q, k, v require grad, as in the grid); ``fwd_bwd`` is
+``torch.autograd.grad(fn(q, k, v), (q, k, v), do)``: the forward and the whole backward, no gradient
+accumulation. Modes: ``eager``; ``compile`` = ``torch.compile(fn, fullgraph=True, dynamic=True)``;
+``reduce-overhead`` = the same with ``mode="reduce-overhead"`` (CUDA graphs), each call preceded by
+``torch.compiler.cudagraph_mark_step_begin()`` as a loop of such calls needs. ``dynamic=True``
+compiles each provider once per mask instead of once per shape (the section would otherwise spend
+minutes compiling); dynamo's guards on symbolic shapes are then part of the measured host cost, as
+they are for a model compiled over varying lengths. Compile time is never timed: the first calls of
+each shape run before the clock starts. A compile or call that fails is recorded with its message.
+
+Order: mode, then provider, then shape. Dynamo's caches are reset before each (mode, provider), so
+every compiled call is timed with only its own graphs installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+import warnings
+
+import torch
+
+from benchmarks import grid as grid_mod, measure, results as results_mod
+
+DTYPES = ("bfloat16",)
+HEAD_DIMS = (64, 128)
+SEQLENS = (128, 512, 1024)
+BATCH_HEADS = ((1, 16), (8, 16))  # (B, H): B x H = 16 and 128
+CAUSAL = (False, True)
+MODES = results_mod.LATENCY_MODES
+PASSES = results_mod.LATENCY_PASSES
+
+TARGET_MS = 10.0  # each timed loop lasts about this long
+REPEATS = 5
+WARMUP_CALLS = 5  # compile, autotune, CUDA-graph warm-up and recording happen here, untimed
+MIN_CALLS, MAX_CALLS = 10, 5000
+
+TIMER_HOW = ("wall clock (time.perf_counter) over n back-to-back calls between two torch.cuda.synchronize(); "
+             "per call = elapsed / n, median of the repeats; host = clock when the last call returned; "
+             "no L2 flush")
+FWD_HOW = "fn(q, k, v) with q, k, v requiring grad (a training forward)"
+FWD_BWD_HOW = "torch.autograd.grad(fn(q, k, v), (q, k, v), do): forward and whole backward, no accumulation"
+MODE_HOW = {
+    "eager": "the provider's call as it is",
+    "compile": "torch.compile(fn, fullgraph=True, dynamic=True)",
+    "reduce-overhead": ("torch.compile(fn, fullgraph=True, dynamic=True, mode='reduce-overhead'); "
+                        "torch.compiler.cudagraph_mark_step_begin() before each call"),
+}
+
+
+def make_shapes(*, dtypes=DTYPES, head_dims=HEAD_DIMS, seqlens=SEQLENS, batch_heads=BATCH_HEADS,
+                causal=CAUSAL) -> list[grid_mod.Setting]:
+    """The small shapes, mask outermost and N innermost (so dynamo sees one mask at a time)."""
+    return [grid_mod.Setting(dtype, d, c, n, batch=b, heads=h)
+            for c in causal for dtype in dtypes for d in head_dims for b, h in batch_heads for n in sorted(seqlens)]
+
+
+class WallClock:
+    """``measure(call, sync) -> dict``: per-call wall and host time of back-to-back calls (see the module doc)."""
+
+    def __init__(self, *, target_ms=TARGET_MS, repeats=REPEATS, warmup_calls=WARMUP_CALLS, clock=time.perf_counter):
+        self.target_ms, self.repeats, self.warmup_calls, self.clock = target_ms, repeats, warmup_calls, clock
+
+    def describe(self) -> dict:
+        return {"timer": TIMER_HOW, "target_ms": self.target_ms, "repeats": self.repeats,
+                "warmup_calls": self.warmup_calls}
+
+    def calls_for(self, seconds_per_call: float) -> int:
+        """Calls in one timed loop: about ``target_ms`` of them, within [MIN_CALLS, MAX_CALLS]."""
+        n = math.ceil(self.target_ms * 1e-3 / max(seconds_per_call, 1e-9))
+        return max(MIN_CALLS, min(MAX_CALLS, n))
+
+    def __call__(self, call, sync) -> dict:
+        for _ in range(self.warmup_calls):
+            call()
+        sync()
+        t0 = self.clock()
+        for _ in range(3):
+            call()
+        sync()
+        n = self.calls_for((self.clock() - t0) / 3)
+        walls, hosts = [], []
+        for _ in range(self.repeats):
+            sync()
+            t0 = self.clock()
+            for _ in range(n):
+                call()
+            t_host = self.clock()
+            sync()
+            t1 = self.clock()
+            walls.append((t1 - t0) / n * 1e6)
+            hosts.append((t_host - t0) / n * 1e6)
+        return {"us_per_call": statistics.median(walls), "host_us_per_call": statistics.median(hosts),
+                "calls": n, "repeats": self.repeats, "samples_us": walls}
+
+
+def _record(setting, provider, mode, p, **fields) -> dict:
+    rec = {k: getattr(setting, k) for k in results_mod.SETTING_KEYS}
+    rec.update(provider=provider.name, mode=mode, **{"pass": p})
+    rec.update(fields)
+    return rec
+
+
+def _step(fn, q, k, v, do, extras, p, mode):
+    """The timed call of one pass in one mode."""
+    mark = torch.compiler.cudagraph_mark_step_begin if mode == "reduce-overhead" else None
+
+    if p == "fwd":
+        def call():
+            if mark is not None:
+                mark()
+            return fn(q, k, v, *extras)
+    else:
+        def call():
+            if mark is not None:
+                mark()
+            return torch.autograd.grad(fn(q, k, v, *extras), (q, k, v), do)
+    return call
+
+
+def _compiled(parts, mode, compile_fn):
+    if mode == "eager":
+        return parts.eager
+    kwargs = {"fullgraph": True, "dynamic": True}
+    if mode == "reduce-overhead":
+        kwargs["mode"] = "reduce-overhead"
+    return compile_fn(parts.inner, **kwargs)
+
+
+def run_latency(shapes, providers, *, device, modes=MODES, passes=PASSES, measure_fn=None, compile_fn=None,
+                sync=None, reset=None, clock=None, log=print) -> list[dict]:
+    """Every provider at every shape, in every mode and pass; one record each (see the module doc).
+
+    ``measure_fn(call, sync)``, ``compile_fn`` (``torch.compile``), ``sync`` and ``reset`` (dynamo's)
+    are injected so the loop runs, and is tested, on a CPU.
+    """
+    measure_fn = measure_fn or WallClock()
+    compile_fn = compile_fn or torch.compile
+    if sync is None:
+        sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    if reset is None:
+        from torch import _dynamo
+
+        reset = _dynamo.reset
+    records = []
+    for mode in modes:
+        for provider in providers:
+            reset()
+            line = []
+            for index, setting in enumerate(shapes):
+                recs = _measure_shape(setting, provider, mode, passes, device=device, measure_fn=measure_fn,
+                                      compile_fn=compile_fn, sync=sync, clock=clock, seed=index)
+                records += recs
+                line += [f"{r['us_per_call']:.0f}" if r["status"] == "ok" else r["status"] for r in recs]
+            log(f"[latency {mode}] {provider.name}: " + " ".join(line) + " µs")
+    return records
+
+
+def _measure_shape(setting, provider, mode, passes, *, device, measure_fn, compile_fn, sync, clock, seed):
+    if clock is not None and clock.over():
+        reason = f"time budget of {clock.budget_s:.0f} s spent before this measurement"
+        return [_record(setting, provider, mode, p, status="skipped", error=reason) for p in passes]
+    q, k, v, do = measure.make_inputs(setting, device, seed=seed)
+    try:
+        parts = provider.latency_parts(setting, device, compile_fn)
+        if mode != "eager" and not parts.compiled_modes:
+            return [_record(setting, provider, mode, p, status="skipped",
+                            error=f"not compiled again: {parts.note}") for p in passes]
+        fn = _compiled(parts, mode, compile_fn)
+    except Exception as exc:  # noqa: BLE001 -- a provider that cannot even be set up is a result
+        status, message = measure.classify_error(exc)
+        return [_record(setting, provider, mode, p, status=status, error=message) for p in passes]
+    out = []
+    context = parts.context() if parts.context is not None else contextlib.nullcontext()
+    with context:
+        for p in passes:
+            call = _step(fn, q, k, v, do, parts.extras, p, mode)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    t0 = time.monotonic()
+                    call()  # the first call compiles: timed apart, never in the per-call figure
+                    sync()
+                    first_s = time.monotonic() - t0
+                    result = measure_fn(call, sync)
+                    out.append(_record(setting, provider, mode, p, status="ok", first_call_s=first_s,
+                                       note=parts.note or None, **result))
+                except Exception as exc:  # noqa: BLE001 -- e.g. a compile that fails at run time
+                    status, message = measure.classify_error(exc, caught)
+                    out.append(_record(setting, provider, mode, p, status=status, error=message))
+    return out
+
+
+def section(shapes, providers, records, measure_fn, *, elapsed_s=None, environment=None, argv=None) -> dict:
+    """The ``latency`` entry of the results file (with the environment of the run that measured it,
+    which differs from the file's own when the section was added by a later ``--update`` run)."""
+    cfg = {"shapes": [s.to_dict() for s in shapes], "providers": [p.name for p in providers],
+           "forward": FWD_HOW, "fwd_bwd": FWD_BWD_HOW, "modes": MODE_HOW}
+    describe = getattr(measure_fn, "describe", None)
+    cfg.update(describe() if describe else {"timer": "injected"})
+    if elapsed_s is not None:
+        cfg["elapsed_s"] = elapsed_s
+    if argv is not None:
+        cfg["argv"] = list(argv)
+    out = {"config": cfg, "records": records}
+    if environment is not None:
+        out["environment"] = environment
+    return out
