@@ -39,9 +39,12 @@ from benchmarks import grid as grid_mod, measure, providers as providers_mod
 KERNEL_PASS = {"fwd": "fwd", "bwd_dkdv": "bwd", "bwd_dq": "bwd"}
 
 
-def _block_d(d: int) -> int:
-    # The kernels pad the head dim to a power of two, at least 16: the key of the config table.
-    return max(16, 1 << (d - 1).bit_length())
+def _problem(setting):
+    """The package's description of one grid setting (what the config table and the sweeps key on)."""
+    from flashattn.problem import Problem
+
+    return Problem(setting.batch, setting.heads, setting.h_kv, setting.seqlen, setting.seqlen, setting.head_dim,
+                   getattr(torch, setting.dtype), setting.causal, setting.head_dim ** -0.5)
 
 
 def config_variants(setting, device, kernels=tuple(KERNEL_PASS), space=None) -> list[tuple[str, dict, tuple]]:
@@ -53,8 +56,7 @@ def config_variants(setting, device, kernels=tuple(KERNEL_PASS), space=None) -> 
         if space is not None:
             candidates = [_config.KernelConfig(*c) for c in space.get(setting.head_dim, {}).get(kernel, [])]
         else:
-            candidates = _config.tuning_space(kernel, _block_d(setting.head_dim), torch.device(device),
-                                              setting.causal, setting.seqlen)
+            candidates = _config.tuning_space(kernel, _problem(setting), torch.device(device))
         for cfg in candidates:
             label = f"{kernel} ({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages})"
             variants.append((label, {kernel: cfg}, (KERNEL_PASS[kernel],)))

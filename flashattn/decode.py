@@ -220,10 +220,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
 
     Args:
         q: (B, Nq, Hq, D) queries (the layout of ``flash_attn_with_kvcache``; any strides).
-        k_cache, v_cache: (B, Mmax, Hkv, D), or (num_pages, page_size, Hkv, D) with ``block_table``.
+        k_cache: (B, Mmax, Hkv, D), or (num_pages, page_size, Hkv, D) with ``block_table``.
             ``Hq % Hkv == 0``. Any strides. Modified in place when ``k_new`` is given.
+        v_cache: like ``k_cache``.
         cache_seqlens: (B,) int32 tensor on q's device, or an int: keys already in each sequence.
-        k_new, v_new: optional (B, Nnew, Hkv, D) keys and values to append before attending.
+        k_new: optional (B, Nnew, Hkv, D) keys to append before attending.
+        v_new: the values that go with ``k_new``.
         causal: bottom-right within each sequence: query i sees key j when ``j <= i + L_b - Nq``, with
             ``L_b = cache_seqlens[b] + Nnew``. Without it every query sees all ``L_b`` keys.
         scale: softmax scale, ``1 / sqrt(D)`` when None.

@@ -741,7 +741,8 @@ def test_config_sweep_defaults_to_the_package_neighbourhood():
     per_kernel = {k: [kw[k] for _, kw, _ in variants[1:] if k in kw] for k in tune.KERNEL_PASS}
     from flashattn import _config
     for kernel, cfgs in per_kernel.items():
-        assert cfgs == _config.tuning_space(kernel, 16, torch.device("cpu"), True, 16)
+        assert cfgs == _config.tuning_space(kernel, tune._problem(s), torch.device("cpu"))
+        assert cfgs and cfgs[0] == _config.get_config(kernel, tune._problem(s), torch.device("cpu"))
 
 
 def test_order_and_overlap_sweeps_set_their_switch():
