@@ -20,6 +20,19 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # the CPU reference
 
 
+def check_dtype_for_device(q, names: str) -> None:
+    """What each device runs: float16/bfloat16 on CUDA (the kernels), any float on the CPU (the
+    reference). ``names`` lists the tensors that share ``q``'s dtype and device, for the message."""
+    if q.is_cuda:
+        if q.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"on the GPU {names} must be float16 or bfloat16, got {q.dtype}")
+    elif q.device.type == "cpu":
+        if q.dtype not in REFERENCE_DTYPES:
+            raise TypeError(f"{names} must be float16, bfloat16, float32 or float64 on the CPU, got {q.dtype}")
+    else:
+        raise ValueError(f"{names} must be on a CUDA device or the CPU, got {q.device}")
+
+
 def _check_inputs(q, k, v, causal, scale):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -53,14 +66,7 @@ def _check_inputs(q, k, v, causal, scale):
             raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
         if not math.isfinite(scale) or scale < 0:
             raise ValueError(f"scale must be finite and non-negative, got {scale}")
-    if q.is_cuda:
-        if q.dtype not in KERNEL_DTYPES:
-            raise TypeError(f"on the GPU q, k, v must be float16 or bfloat16, got {q.dtype}")
-    elif q.device.type == "cpu":
-        if q.dtype not in REFERENCE_DTYPES:
-            raise TypeError(f"q, k, v must be float16, bfloat16, float32 or float64 on the CPU, got {q.dtype}")
-    else:
-        raise ValueError(f"q, k, v must be on a CUDA device or the CPU, got {q.device}")
+    check_dtype_for_device(q, "q, k, v")
 
 
 def _autocast(q, k, v):

@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 from dataclasses import dataclass
 
 import torch
 
 from flashattn import reference
+from flashattn.api import check_dtype_for_device
+from flashattn.ops import use_kernels
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -73,14 +72,7 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal, scale, b
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if x.device != q.device:
             raise ValueError(f"{name} must be on the device of q ({q.device}), got {x.device}")
-    if q.is_cuda:
-        if q.dtype not in KERNEL_DTYPES:
-            raise TypeError(f"on the GPU q, k_cache, v_cache must be float16 or bfloat16, got {q.dtype}")
-    elif q.device.type == "cpu":
-        if q.dtype not in REFERENCE_DTYPES:
-            raise TypeError(f"q, k_cache, v_cache must be float16, bfloat16, float32 or float64 on the CPU, got {q.dtype}")
-    else:
-        raise ValueError(f"q must be on a CUDA device or the CPU, got {q.device}")
+    check_dtype_for_device(q, "q, k_cache, v_cache")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     batch, n_q, h_q, d = q.shape
@@ -209,10 +201,6 @@ def _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table):
 # --8<-- [end:decode-append]
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, causal: bool = True,
                            scale: float | None = None, block_table=None, num_splits: int | None = None,
                            return_lse: bool = False):
@@ -255,7 +243,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         max_keys = p.capacity
     if p.n_new:
         _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table)
-    if q.is_cuda or (_interpreting() and q.dtype in KERNEL_DTYPES):
+    if use_kernels(q):
         from flashattn.decode_kernels import decode_forward  # imports triton
 
         o, lse = decode_forward(q, k_cache, v_cache, seq_lens, p.n_new, block_table, p.causal, p.scale,
