@@ -291,3 +291,48 @@ def test_broken_io_closed_form_is_caught(monkeypatch):
 
     monkeypatch.setattr(mod, "forward_closed", lambda n, m, d, block_m: 2 * n * d + n + 2 * m * d)
     assert _fails("io_complexity")
+
+
+def _interpreter_grads(q, k, v, do):
+    """O, dQ, dK, dV of the real kernels under Triton's interpreter, for one (N, d) head."""
+    import flashattn
+
+    q, k, v = (x.clone()[None, None].requires_grad_() for x in (q, k, v))
+    o = flashattn.attention(q, k, v)
+    o.backward(do[None, None])
+    return dict(O=o.detach()[0, 0], dQ=q.grad[0, 0], dK=k.grad[0, 0], dV=v.grad[0, 0])
+
+
+def test_backward_precision_emulation_matches_the_interpreter_kernels():
+    """The backward-precision page's numbers come from an emulation of the kernels' rounding points.
+    Run the real kernels under the interpreter on a small head and require the same errors against
+    float64: in float16 the interpreter keeps every rounding (P, dS, O), so it must agree with the full
+    emulation and not with one that keeps P and dS in float32 (the negative control, about 1.4× less
+    error). A bfloat16 problem runs in float32 under the interpreter (flashattn._triton.
+    interpreter_needs_float32), so there it must agree with the emulation without those two roundings."""
+    import torch
+
+    from derivations import backward_precision as bp
+    from flashattn import ops
+
+    if not ops.use_kernels(torch.zeros(1, dtype=torch.float16)):
+        pytest.skip("the kernels run on CPU tensors only under TRITON_INTERPRET=1")
+
+    def errors(got, ref):
+        return {k: bp.rel_error(got[k], ref[k]) for k in bp.NAMES}
+
+    def agree(a, b):
+        return all(0.8 < a[k] / b[k] < 1.25 for k in bp.NAMES)
+
+    for dtype, full_rounding in ((torch.float16, True), (torch.bfloat16, False)):
+        x = bp.inputs(dtype, n=64, m=64, d=32)
+        ref = bp.exact(*x)
+        kernels = errors(_interpreter_grads(*x), ref)
+        full = errors(bp.kernel_like(*x), ref)
+        no_p_ds = errors(bp.kernel_like(*x, round_p=False, round_ds=False), ref)
+        if full_rounding:
+            assert agree(kernels, full), (kernels, full)
+            assert not agree(kernels, no_p_ds), (kernels, no_p_ds)  # the control: rounding P and dS shows
+        else:
+            assert agree(kernels, no_p_ds), (kernels, no_p_ds)
+            assert not agree(kernels, full), (kernels, full)
