@@ -11,19 +11,22 @@ The table on docs/math/index.md fixes the symbols. This test reads the math of e
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-PAGES = sorted(p for p in DOCS.rglob("*.md") if "hooks" not in p.parts)
+PAGES = sorted(p for p in [*DOCS.rglob("*.md"), *DOCS.rglob("*.ipynb")] if "hooks" not in p.parts)
 
 RETIRED = {
-    "D in math (use δ for the row term, d for the head dimension)": re.compile(r"(?<![A-Za-z\\])D(?![A-Za-z])"),
+    # after a capital too: 4MD is the retired D as much as 4 D is; \\Delta and words like LSE stay legal
+    "D in math (use δ for the row term, d for the head dimension)": re.compile(r"(?<![a-z\\])D(?![A-Za-z])"),
     "softmax of τS (S already holds τ)": re.compile(r"softmax\}?\s*\(\s*\\tau\s*S"),
     "p as a dropout probability (use p_drop)": re.compile(r"/\s*p(?![A-Za-z_])|\\frac\{[^{}]*\}\{p\}"),
     "c·s for base-2 scores (use S_2 = cX, X = QKᵀ)": re.compile(r"c\\?,?\s*s(?![A-Za-z])|s\s*=\s*c\b|s_\{ij\}\s*=\s*q_i"),
+    "s in a base-2 exponent (s is a natural-log score; base-2 scores are S_2)": re.compile(r"2\^\{\s*(?:\\,)?\s*s[_\s\\-]"),
 }
 
 _CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
@@ -42,9 +45,19 @@ def violations(markdown: str) -> list[str]:
     return found
 
 
+def page_markdown(page: Path) -> str:
+    """A page's Markdown; for a notebook, its Markdown cells (code cells may name a head dim D)."""
+    if page.suffix != ".ipynb":
+        return page.read_text(encoding="utf-8")
+    cells = json.loads(page.read_text(encoding="utf-8"))["cells"]
+    text = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    return re.sub(r"\$\$(.*?)\$\$|\$([^$\n]+)\$", lambda m: rf"\[{m[1]}\]" if m[1] is not None else rf"\({m[2]}\)",
+                  text, flags=re.S)
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
 def test_page_uses_the_notation_table(page):
-    assert violations(page.read_text(encoding="utf-8")) == []
+    assert violations(page_markdown(page)) == []
 
 
 @pytest.mark.parametrize("bad", [
@@ -54,6 +67,9 @@ def test_page_uses_the_notation_table(page):
     r"\[\tilde P = \frac{P \circ Z}{p}\]",
     r"\(P_{ij} = 2^{c\, s_{ij} - \mathrm{LSE}_2}\)",
     r"\(s_{ij} = q_i \cdot k_j\)",
+    r"\(4MD\) bytes",
+    r"\(\ell = \sum_j 2^{s_j - m}\)",
+    r"\(P = 2^{\,s - \mathrm{LSE}_2}\)",
 ])
 def test_retired_symbols_are_caught(bad):
     assert violations(bad), bad
@@ -66,6 +82,70 @@ def test_retired_symbols_are_caught(bad):
     r"\(P_{ij} = 2^{S_{2,ij} - \mathrm{LSE}_{2,i}}\)",
     "`(B, H, N, D)` in code is not math",
     r"\(dP\) and \(\mathrm{LSE}\)",
+    r"\(\ell = \sum_j 2^{S_{2,ij} - m}\) and \(e^{s_j - m}\)",
+    r"\(4Md\) and \(\Delta\)",
 ])
+
 def test_current_notation_passes(good):
     assert violations(good) == []
+
+
+def test_notebook_math_is_read(tmp_path):
+    cell = {"cell_type": "markdown", "source": ["$dS = P \\circ (dP - D)$ and $$P = 2^{s - m}$$"]}
+    page = tmp_path / "probe.ipynb"
+    page.write_text(json.dumps({"cells": [cell]}), encoding="utf-8")
+    assert len(violations(page_markdown(page))) == 2
+
+
+# --- The equation ↔ code table quotes its kernel lines; a quote must still read so in the source. ---
+
+FLASHATTN = DOCS.parent / "flashattn"
+TABLE = DOCS / "kernels" / "equation-code.md"
+_MARKER = re.compile(r"#\s*--8<--\s*\[start:([\w-]+)\](.*?)#\s*--8<--\s*\[end:\1\]", re.S)
+
+
+def kernel_sections() -> dict[str, str]:
+    """Every `--8<--` section of flashattn/*.py, by name (nested sections included)."""
+    sections: dict[str, str] = {}
+    for path in sorted(FLASHATTN.glob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        pending = [text]
+        while pending:
+            for name, body in _MARKER.findall(pending.pop()):
+                sections[name] = sections.get(name, "") + body
+                pending.append(body)
+    return sections
+
+
+def table_rows(markdown: str) -> list[tuple[list[str], str]]:
+    """(section names, key line) of each row of the equation ↔ code table."""
+    rows = []
+    for line in markdown.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) != 4 or not cells[3].startswith("`"):
+            continue
+        names = [n.split(":")[-1].strip() for n in re.findall(r"`([^`]+)`", cells[2])]
+        rows.append((names, cells[3].strip("`")))
+    return rows
+
+
+def quoted(key_line: str, section_text: str) -> bool:
+    """The key line, with `...` standing for anything, is on one line of the section."""
+    pattern = ".*?".join(re.escape(part) for part in key_line.split("..."))
+    return any(re.search(pattern, line) for line in section_text.splitlines())
+
+
+def test_equation_code_table_quotes_the_kernels():
+    sections = kernel_sections()
+    rows = table_rows(TABLE.read_text(encoding="utf-8"))
+    assert len(rows) >= 15, "the table was not parsed"
+    for names, key in rows:
+        assert all(n in sections for n in names), (names, "no such section in flashattn/")
+        assert quoted(key, "\n".join(sections[n] for n in names)), (names, key)
+
+
+def test_a_stale_quote_is_caught():
+    sections = kernel_sections()
+    assert quoted("b_dq += tl.dot(ds.to(b_k.dtype), b_k)", sections["bwd-dq-accumulate"])
+    assert not quoted("b_dq += tl.dot(ds, b_k)", sections["bwd-dq-accumulate"])  # the control
+    assert not quoted("b_dv += tl.dot(p_t..., b_do)", sections["bwd-ds"])  # right line, wrong section
