@@ -1,15 +1,15 @@
 """Decoding benchmark: one (or a few) new queries against a KV cache, flashattn against its peers.
 
-    python -m benchmarks.decode --out DIR [--seqlens 1024,2048,...] [--queries 1,4]
+    python -m benchmarks.decode --out DIR [--batches 1,16,64] [--seqlens 1024,...] [--queries 1,16]
 
-Grid: B = 16 sequences, 32 query heads sharing 8 K/V heads (GQA 4), D = 128, bfloat16, a cache of
-M = 1k .. 32k keys per sequence (every sequence full), Nq = 1 and 4 new queries. The cache is
-stored (B, M, Hkv, D), as ``flash_attn_with_kvcache`` and flashattn take it; the peers get the
+Grid: B = 1, 16 and 64 sequences, 32 query heads sharing 8 K/V heads (GQA 4), D = 128, bfloat16, a
+cache of M = 1k .. 128k keys per sequence (every sequence full), Nq = 1 and 16 new queries. The cache
+is stored (B, M, Hkv, D), as ``flash_attn_with_kvcache`` and flashattn take it; the peers get the
 (B, Hkv, M, D) transposed *views* of the same memory (no copy), and a contiguous copy only if a
 backend refuses the view (recorded per row as ``layout``).
 
 Every provider computes the same thing: attention **without** a causal mask. For one query causal
-and non-causal agree; for 4 queries bottom-right causal would hide 3 diagonal keys, and SDPA's
+and non-causal agree; for 16 queries bottom-right causal would hide 15 diagonal keys, and SDPA's
 ``is_causal`` is top-left aligned (it would hide almost the whole cache), so no provider masks.
 
 * ``flashattn``: ``flashattn.decode.attention_with_kvcache`` with int32 ``cache_seqlens`` (as a
@@ -20,11 +20,14 @@ and non-causal agree; for 4 queries bottom-right causal would hide 3 diagonal ke
   32 heads *outside* the timed call (recorded as ``gqa = "repeated"``, and it reads 4x the bytes);
 * ``flex``: ``flex_attention`` compiled (``torch.compile(dynamic=False)``), ``enable_gqa=True``.
 
-Timing: ``triton.testing.do_bench`` (median; the L2 cache is flushed before every call). Bandwidth
-is the K and V bytes of the cache over the time, and is reported as a fraction of the copy
-bandwidth measured in the same run (``dst.copy_(src)`` of 1 GiB, read + write bytes). Each provider's
-output is checked against the float64 reference with the tests' ratio rule before it is timed.
-Writes ``DIR/decode.json`` and ``DIR/decode.md``.
+Timing, two modes per provider: ``eager`` is ``triton.testing.do_bench`` of the call (median; the L2
+cache is flushed before every call), so a call's host work counts whenever it is longer than its
+kernels; ``graph`` captures the call once in a CUDA graph and times ``graph.replay()`` the same
+way, which is how decoding loops in serving code usually run and leaves only the GPU work. Bandwidth
+is the K and V bytes of the cache over the time, reported as a fraction of the copy bandwidth
+measured in the same run (``dst.copy_(src)`` of 1 GiB, read + write bytes). Each provider's output
+is checked against the float64 reference (on the first two sequences) with the tests' ratio rule
+before it is timed. Writes ``DIR/decode.json`` and ``DIR/decode.md``.
 """
 
 from __future__ import annotations
@@ -39,10 +42,13 @@ import time
 
 import torch
 
-B, H_Q, H_KV, D = 16, 32, 8, 128
+H_Q, H_KV, D = 32, 8, 128
 DTYPE = torch.bfloat16
-SEQLENS = (1024, 2048, 4096, 8192, 16384, 32768)
-QUERIES = (1, 4)
+BATCHES = (1, 16, 64)
+SEQLENS = (1024, 4096, 16384, 65536, 131072)
+QUERIES = (1, 16)
+MODES = ("eager", "graph")
+CHECKED_SEQUENCES = 2  # the float64 reference of a whole 64 x 128k cache would not fit
 PROVIDERS = ("flashattn", "flashattn_int", "sdpa_flash", "sdpa_cudnn", "flex")
 
 
@@ -60,8 +66,23 @@ def copy_bandwidth(device) -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
-def make_inputs(m, n_q, device, seed=0):
+def _graph_bench(fn) -> float:
+    """do_bench of ``fn`` captured once in a CUDA graph: the GPU time of the call, without its host work."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture (allocator, lazy initialization)
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _bench(graph.replay)
+
+
+def make_inputs(batch, m, n_q, device, seed=0):
     gen = torch.Generator(device=device).manual_seed(seed)
+    B = batch
     q = torch.randn(B, n_q, H_Q, D, dtype=DTYPE, device=device, generator=gen)
     k_cache = torch.randn(B, m, H_KV, D, dtype=DTYPE, device=device, generator=gen)
     v_cache = torch.randn(B, m, H_KV, D, dtype=DTYPE, device=device, generator=gen)
@@ -72,7 +93,7 @@ def prepare(name, q, k_cache, v_cache):
     """``(fn, info)``: fn() returns o as (B, Nq, Hq, D); info says how the provider was called."""
     import torch.nn.functional as F
 
-    m = k_cache.shape[1]
+    B, m = k_cache.shape[:2]
     if name in ("flashattn", "flashattn_int"):
         from flashattn.decode import attention_with_kvcache
 
@@ -110,10 +131,12 @@ def prepare(name, q, k_cache, v_cache):
 
 
 def check(o, q, k_cache, v_cache) -> dict:
-    """Error against float64, next to the error of the naive attention computed in bfloat16."""
+    """Error against float64, next to the error of the naive attention computed in bfloat16, on the
+    first :data:`CHECKED_SEQUENCES` sequences."""
     from flashattn.reference import naive_attention
     from flashattn.testing import rel_err
 
+    o, q, k_cache, v_cache = (x[:CHECKED_SEQUENCES] for x in (o, q, k_cache, v_cache))
     ref = naive_attention(q.transpose(1, 2).double(), k_cache.transpose(1, 2).double(),
                           v_cache.transpose(1, 2).double())[0].transpose(1, 2)
     lowp = naive_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2))[0].transpose(1, 2)
@@ -121,40 +144,54 @@ def check(o, q, k_cache, v_cache) -> dict:
     return {"rel_err": err, "torch_bf16_rel_err": base, "passed": bool(err <= 2.0 * base + 1e-5)}
 
 
-def run(seqlens, queries, providers, device) -> dict:
+def run(batches, seqlens, queries, providers, device, modes=MODES) -> dict:
     bw_copy = copy_bandwidth(device)
     rows = []
-    for m in seqlens:
-        for n_q in queries:
-            q, k_cache, v_cache = make_inputs(m, n_q, device)
-            kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
-            for name in providers:
-                row = {"M": m, "Nq": n_q, "provider": name}
-                t0 = time.monotonic()
-                try:
-                    fn, info = prepare(name, q, k_cache, v_cache)
-                    row.update(info)
-                    row["check"] = check(fn(), q, k_cache, v_cache)
-                    ms = _bench(fn)
-                    row.update(status="ok", us=ms * 1e3, gbps=kv_bytes / (ms * 1e-3) / 1e9,
-                               copy_fraction=kv_bytes / (ms * 1e-3) / bw_copy)
-                except Exception as exc:  # noqa: BLE001 -- recorded, the run goes on
-                    row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:500])
-                row["wall_s"] = round(time.monotonic() - t0, 1)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-            del q, k_cache, v_cache
-            torch.cuda.empty_cache()
+    for batch in batches:
+        for m in seqlens:
+            for n_q in queries:
+                q, k_cache, v_cache = make_inputs(batch, m, n_q, device)
+                kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
+                for name in providers:
+                    row = {"B": batch, "M": m, "Nq": n_q, "provider": name}
+                    t0 = time.monotonic()
+                    try:
+                        fn, info = prepare(name, q, k_cache, v_cache)
+                        row.update(info)
+                        row["check"] = check(fn(), q, k_cache, v_cache)
+                        for mode in modes:
+                            try:
+                                ms = _bench(fn) if mode == "eager" else _graph_bench(fn)
+                                row[mode] = {"us": ms * 1e3, "gbps": kv_bytes / (ms * 1e-3) / 1e9,
+                                             "copy_fraction": kv_bytes / (ms * 1e-3) / bw_copy}
+                            except Exception as exc:  # noqa: BLE001 -- e.g. a call that cannot be captured
+                                row[mode] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                        row["status"] = "ok"
+                    except Exception as exc:  # noqa: BLE001 -- recorded, the run goes on
+                        row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:500])
+                    row["wall_s"] = round(time.monotonic() - t0, 1)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                del q, k_cache, v_cache
+                torch.cuda.empty_cache()
     import triton
 
     return {
-        "what": "decoding against a full KV cache, non-causal, B=16, Hq=32, Hkv=8, D=128, bfloat16",
+        "what": f"decoding against a full KV cache, non-causal, Hq={H_Q}, Hkv={H_KV}, D={D}, bfloat16",
         "device": torch.cuda.get_device_name(device),
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
                      "cuda": torch.version.cuda},
         "copy_bandwidth_gbps": bw_copy / 1e9,
+        "modes": list(modes),
         "rows": rows,
     }
+
+
+def _us(row, mode):
+    """Microseconds of one provider in one mode, or None where it did not run."""
+    if row is None or row.get("status") != "ok" or "us" not in row.get(mode, {}):
+        return None
+    return row[mode]["us"]
 
 
 def markdown(result: dict) -> str:
@@ -162,44 +199,51 @@ def markdown(result: dict) -> str:
     providers = list(dict.fromkeys(r["provider"] for r in rows))
     peers = [p for p in providers if not p.startswith("flashattn")]
     lines = [f"Decoding, {result['what']}; {result['device']}, torch {result['versions']['torch']}, "
-             f"triton {result['versions']['triton']}. Time per call in µs (median of do_bench); "
-             f"copy bandwidth {result['copy_bandwidth_gbps']:.0f} GB/s.", "",
-             "| M | Nq | " + " | ".join(providers) + " | flashattn / best peer | flashattn % of copy BW |",
-             "|" + "---|" * (len(providers) + 4)]
-    for m, n_q in dict.fromkeys((r["M"], r["Nq"]) for r in rows):
-        cell = {r["provider"]: r for r in rows if r["M"] == m and r["Nq"] == n_q}
+             f"triton {result['versions']['triton']}. Time per call in µs (median of do_bench), eager calls "
+             f"and CUDA-graph replays; copy bandwidth {result['copy_bandwidth_gbps']:.0f} GB/s. "
+             "(WRONG) marks an output that failed the float64 check.", ""]
+    for mode in result.get("modes", MODES):
+        lines += [f"**{mode}**", "",
+                  "| B | M | Nq | " + " | ".join(providers) + " | flashattn / best peer | flashattn % of copy BW |",
+                  "|" + "---|" * (len(providers) + 5)]
+        for b, m, n_q in dict.fromkeys((r["B"], r["M"], r["Nq"]) for r in rows):
+            cell = {r["provider"]: r for r in rows if (r["B"], r["M"], r["Nq"]) == (b, m, n_q)}
 
-        def show(p):
-            r = cell.get(p)
-            if r is None or r["status"] != "ok":
-                return "error" if r else "-"
-            flag = "" if r["check"]["passed"] else " (WRONG)"
-            return f"{r['us']:.0f}{flag}"
+            def show(p):
+                us = _us(cell.get(p), mode)
+                if us is None:
+                    return "error" if p in cell else "-"
+                return f"{us:.0f}" + ("" if cell[p]["check"]["passed"] else " (WRONG)")
 
-        ours = cell.get("flashattn")
-        best = min((cell[p]["us"] for p in peers if p in cell and cell[p]["status"] == "ok"), default=math.nan)
-        speedup = best / ours["us"] if ours and ours["status"] == "ok" else math.nan
-        frac = 100 * ours["copy_fraction"] if ours and ours["status"] == "ok" else math.nan
-        lines.append(f"| {m} | {n_q} | " + " | ".join(show(p) for p in providers) + f" | {speedup:.2f}x | {frac:.0f}% |")
+            ours = _us(cell.get("flashattn"), mode)
+            best = min((u for u in (_us(cell.get(p), mode) for p in peers) if u is not None), default=math.nan)
+            speedup = best / ours if ours else math.nan
+            frac = 100 * cell["flashattn"][mode]["copy_fraction"] if ours else math.nan
+            lines.append(f"| {b} | {m} | {n_q} | " + " | ".join(show(p) for p in providers)
+                         + f" | {speedup:.2f}x | {frac:.0f}% |")
+        lines.append("")
     gqa = {r["provider"]: f"{r['gqa']}, {r['layout']}" for r in rows if r.get("status") == "ok"}
-    lines += ["", "How each peer took GQA and the cache: " + "; ".join(f"{p}: {g}" for p, g in gqa.items()) + "."]
+    lines += ["How each peer took GQA and the cache: " + "; ".join(f"{p}: {g}" for p, g in gqa.items()) + "."]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=pathlib.Path)
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
     parser.add_argument("--queries", default=",".join(map(str, QUERIES)))
     parser.add_argument("--providers", default=",".join(PROVIDERS))
+    parser.add_argument("--modes", default=",".join(MODES), help="subset of %(default)s")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.decode needs a CUDA GPU", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    result = run([int(x) for x in args.seqlens.split(",")], [int(x) for x in args.queries.split(",")],
-                 args.providers.split(","), torch.device("cuda"))
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    result = run(ints(args.batches), ints(args.seqlens), ints(args.queries), args.providers.split(","),
+                 torch.device("cuda"), modes=args.modes.split(","))
     result["wall_s"] = round(time.monotonic() - t0, 1)
     (args.out / "decode.json").write_text(json.dumps(result, indent=1))
     (args.out / "decode.md").write_text(markdown(result))
