@@ -165,8 +165,8 @@ def _signature(kernel, args: tuple, constexprs: dict, options: dict) -> tuple:
     return tuple(key)
 
 
-def launch(kernel, grid: int, args: tuple, constexprs: dict, options: dict) -> None:
-    """Launch ``kernel`` on a 1-D grid of ``grid`` programs on the current device and stream.
+def launch(kernel, grid, args: tuple, constexprs: dict, options: dict) -> None:
+    """Launch ``kernel`` on ``grid`` (an int, or a tuple of up to three) on the current device and stream.
 
     ``kernel[grid](...)`` spends tens of microseconds per call binding and specializing every
     argument before it finds the compiled kernel in Triton's cache, which is most of a short call.
@@ -174,18 +174,19 @@ def launch(kernel, grid: int, args: tuple, constexprs: dict, options: dict) -> N
     kernel Triton compiled for it. ``constexprs`` must follow the kernel's parameter order. The
     interpreter always takes Triton's own path.
     """
+    grid = (grid,) if isinstance(grid, int) else tuple(grid)
     if type(kernel).__name__ == "InterpretedFunction":  # jitted while TRITON_INTERPRET was set
-        kernel[(grid,)](*args, **constexprs, **options)
+        kernel[grid](*args, **constexprs, **options)
         return
     signature = _signature(kernel, args, constexprs, options)
     compiled = _COMPILED.get(signature) if _FAST_LAUNCH[0] else None
     if compiled is not None:
         try:
-            compiled[(grid, 1, 1)](*args, *constexprs.values())
+            compiled[grid + (1,) * (3 - len(grid))](*args, *constexprs.values())
             return
         except (AttributeError, TypeError):  # an older or newer Triton: keep its own launch path
             _FAST_LAUNCH[0] = False
-    compiled = kernel[(grid,)](*args, **constexprs, **options)
+    compiled = kernel[grid](*args, **constexprs, **options)
     if compiled is not None:
         if len(_COMPILED) > 4096:  # many distinct lengths: start over rather than grow without bound
             _COMPILED.clear()

@@ -835,20 +835,3 @@ def test_ab_export_then_compare_from_the_folder(tmp_path, monkeypatch):
     if out["same_sources"]:
         assert out["rows"][0]["bitwise_equal"]
 
-
-def test_decode_markdown_compares_each_mode_with_the_fastest_peer():
-    from benchmarks import decode
-
-    def row(provider, eager, graph, passed=True):
-        return {"B": 1, "M": 1024, "Nq": 1, "provider": provider, "status": "ok", "gqa": "g", "layout": "l",
-                "check": {"passed": passed},
-                "eager": {"us": eager, "copy_fraction": 0.5}, "graph": {"us": graph, "copy_fraction": 0.8}}
-
-    result = {"what": "w", "device": "d", "versions": {"torch": "t", "triton": "tr"}, "copy_bandwidth_gbps": 1.0,
-              "modes": ["eager", "graph"],
-              "rows": [row("flashattn", 40.0, 10.0), row("sdpa_flash", 20.0, 12.0, passed=False),
-                       {"B": 1, "M": 1024, "Nq": 1, "provider": "flex", "status": "error", "error": "x"}]}
-    text = decode.markdown(result)
-    eager, graph = (line for line in text.splitlines() if line.startswith("| 1 | 1024 | 1 |"))
-    assert eager.split(" | ")[3:] == ["40", "20 (WRONG)", "error", "0.50x", "50% |"]
-    assert graph.split(" | ")[3:] == ["10", "12 (WRONG)", "error", "1.20x", "80% |"]

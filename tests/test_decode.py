@@ -412,14 +412,19 @@ def test_gpu_large_logits_and_poisoned_scratch(monkeypatch):
 def test_benchmark_table_reports_ratio_bandwidth_and_wrong_results(tmp_path, monkeypatch):
     from benchmarks import decode as bench
 
-    def row(provider, us, passed=True, status="ok"):
-        return {"M": 8192, "Nq": 1, "provider": provider, "status": status, "us": us, "copy_fraction": 0.5,
-                "check": {"passed": passed}, "gqa": "enable_gqa", "layout": "view"}
+    def row(provider, eager, graph, passed=True):
+        return {"B": 16, "M": 8192, "Nq": 1, "provider": provider, "status": "ok", "check": {"passed": passed},
+                "gqa": "enable_gqa", "layout": "view",
+                "eager": {"us": eager, "copy_fraction": 0.5}, "graph": {"us": graph, "copy_fraction": 0.8}}
 
     result = {"what": "test", "device": "none", "versions": {"torch": "x", "triton": "y"}, "copy_bandwidth_gbps": 4000,
-              "rows": [row("flashattn", 100.0), row("sdpa_flash", 150.0), row("sdpa_cudnn", 120.0, passed=False),
-                       {"M": 8192, "Nq": 1, "provider": "flex", "status": "error", "error": "boom"}]}
+              "modes": ["eager", "graph"],
+              "rows": [row("flashattn", 100.0, 50.0), row("sdpa_flash", 150.0, 60.0),
+                       row("sdpa_cudnn", 120.0, 40.0, passed=False),
+                       {"B": 16, "M": 8192, "Nq": 1, "provider": "flex", "status": "error", "error": "boom"}]}
     table = bench.markdown(result)
-    assert "| 8192 | 1 | 100 | 150 | 120 (WRONG) | error | 1.20x | 50% |" in table
+    # each mode compares flashattn with the fastest peer of that mode (a WRONG one still counts)
+    assert "| 16 | 8192 | 1 | 100 | 150 | 120 (WRONG) | error | 1.20x | 50% |" in table
+    assert "| 16 | 8192 | 1 | 50 | 60 | 40 (WRONG) | error | 0.80x | 80% |" in table
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main(["--out", str(tmp_path)]) == 2
