@@ -49,16 +49,21 @@ def _varlen_reference_forward(q, k, v, problem: Problem, packing):
 
 
 def _varlen_reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, packing=None):
-    """The reference's gradients by autograd through :func:`flashattn.reference.varlen_attention`."""
-    with torch.enable_grad():
-        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        o_r, lse_r = _varlen_reference_forward(*leaves, problem, packing)
-        outputs, grads = [o_r], [do]
-        if dlse is not None:
-            outputs.append(lse_r)
-            grads.append(dlse.to(lse_r.dtype))
-        found = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
-    return tuple(torch.zeros_like(x) if g is None else g.to(x.dtype) for g, x in zip(found, (q, k, v)))
+    """The tile-by-tile reference backward (:func:`flashattn.reference.online_backward`), one sequence at a
+    time. Not autograd: inside a custom operator autograd does not record."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    cu_q, cu_k = (cu.tolist() for cu in packing)
+    heads = (lambda x: x.transpose(0, 1)[None])  # (L, H, D) -> (1, H, L, D)
+    for i in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        if rows.start == rows.stop or keys.start == keys.stop:
+            continue  # no query, or no key: every gradient of the sequence is zero
+        grads = reference.online_backward(
+            heads(do[rows]), heads(q[rows]), heads(k[keys]), heads(v[keys]), heads(o[rows]), lse[None, :, rows],
+            problem.causal, problem.scale, dlse=None if dlse is None else dlse[None, :, rows])
+        for out, g, span in zip((dq, dk, dv), grads, (rows, keys, keys)):
+            out[span] = g[0].transpose(0, 1)
+    return dq, dk, dv
 
 
 def backend(use_kernels: bool, varlen: bool = False):
