@@ -106,11 +106,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     Args:
         q: (total_q, Hq, D), the sequences' queries one after the other; any strides with a dense last
             dim are read in place (e.g. a slice of a packed qkv tensor).
-        k, v: (total_k, Hkv, D), with ``Hq % Hkv == 0`` (grouped-query attention).
-        cu_seqlens_q, cu_seqlens_k: int32, shape (B + 1,), on the device of q: 0, then the cumulative
-            lengths, so sequence ``i`` holds rows ``cu[i] : cu[i + 1]``. Zero-length sequences are
-            allowed on either side (a query with no key gets o = 0, lse = -inf).
-        max_seqlen_q, max_seqlen_k: the longest sequence on each side (picks the launch configuration).
+        k: (total_k, Hkv, D), with ``Hq % Hkv == 0`` (grouped-query attention).
+        v: values, same shape as ``k``.
+        cu_seqlens_q: int32, shape (B + 1,), on the device of q: 0, then the cumulative lengths, so
+            sequence ``i`` holds rows ``cu_seqlens_q[i] : cu_seqlens_q[i + 1]`` of q. Zero-length
+            sequences are allowed on either side (a query with no key gets o = 0, lse = -inf).
+        cu_seqlens_k: the same for k and v, with as many entries as ``cu_seqlens_q``.
+        max_seqlen_q: the longest query sequence (picks the launch configuration).
+        max_seqlen_k: the longest key sequence.
         causal: bottom-right aligned within each sequence: query ``i`` of a sequence with ``N_i``
             queries and ``M_i`` keys sees key ``j`` when ``j <= i + M_i - N_i``.
         scale: softmax scale; ``1 / sqrt(D)`` when None.
