@@ -7,6 +7,8 @@ CUDA tensor (or, under ``TRITON_INTERPRET=1``, a CPU tensor) reaches :func:`atte
 from flashattn import distributed, reference, schedule
 from flashattn.api import attention, flash_attn_func
 from flashattn.decode import attention_with_kvcache
+from flashattn.varlen import attention_varlen, flash_attn_varlen_func
 
-__all__ = ["attention", "attention_with_kvcache", "distributed", "flash_attn_func", "reference", "schedule"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "distributed", "flash_attn_func",
+           "flash_attn_varlen_func", "reference", "schedule"]
 __version__ = "0.1.0"

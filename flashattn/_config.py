@@ -267,9 +267,16 @@ def plan_for(kernel: str, problem: Problem, device: torch.device, cfg: KernelCon
         n_blocks, heads = -(-problem.m // cfg.block_n), problem.heads_kv
     else:  # one program per query block of a query head
         n_blocks, heads = -(-problem.n // cfg.block_m), problem.heads_q
-    group = heads_per_group((n_blocks, problem.batch * heads), device, problem.causal)
     constexprs = dict(CAUSAL=problem.causal, HEAD_DIM=problem.head_dim, BLOCK_D=problem.block_d,
-                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=problem.varlen)
+    if problem.varlen:
+        # Packed sequences: one program per tile of the packed rows of a head, and one spare per
+        # sequence, since sum_i cdiv(n_i, block) <= cdiv(total, block) + n_seqs - 1 is a bound the host
+        # knows without reading the lengths (flashattn.schedule.packed_tile); the heads go one after the other.
+        rows, block = (problem.total_k, cfg.block_n) if kernel == "bwd_dkdv" else (problem.total_q, cfg.block_m)
+        n_blocks = -(-rows // block) + problem.batch
+        return Plan(cfg, n_blocks, n_blocks * heads, 1, constexprs, cfg.options())
+    group = heads_per_group((n_blocks, problem.batch * heads), device, problem.causal)
     return Plan(cfg, n_blocks, n_blocks * problem.batch * heads, group, constexprs, cfg.options())
 
 

@@ -41,10 +41,15 @@ def _select(condition, if_true, if_false):
     return tl.where(condition, if_true, if_false)
 
 
-# The kernels' view of flashattn.schedule: the same functions, compiled, with the four primitives
+@triton.jit
+def _load(table, i):
+    return tl.load(table + i)
+
+
+# The kernels' view of flashattn.schedule: the same functions, compiled, with the five primitives
 # swapped for their Triton twins. Triton's interpreter insists on seeing triton.language among a
 # jitted function's globals, so the clones get a copy of the module's globals with it added.
-_SCOPE = dict(vars(schedule), tl=tl, minimum=_minimum, maximum=_maximum, clamp=_clamp, select=_select)
+_SCOPE = dict(vars(schedule), tl=tl, minimum=_minimum, maximum=_maximum, clamp=_clamp, select=_select, load=_load)
 
 
 def device_fn(fn):
@@ -66,6 +71,8 @@ forward_key_range = device_fn(schedule.forward_key_range)
 dq_key_range = device_fn(schedule.dq_key_range)
 backward_query_range = device_fn(schedule.backward_query_range)
 launch_order = device_fn(schedule.launch_order)
+sequence_of_tile = device_fn(schedule.sequence_of_tile)
+packed_tile = device_fn(schedule.packed_tile)
 # --8<-- [end:device-schedule]
 
 
@@ -127,6 +134,19 @@ def dense_like(x: torch.Tensor) -> torch.Tensor:
     (e.g. (B, N, H, D) for a transposed view), so outputs match their inputs' layout."""
     out = torch.empty_like(x)
     return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def heads_first(x: torch.Tensor) -> torch.Tensor:
+    """A packed (total, H, D) tensor viewed as the (1, H, total, D) tensor the kernels address: a
+    transpose, no copy. Its row stride is the packed tensor's, so slices of a packed qkv work too."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def tile_offsets(cu_seqlens: torch.Tensor, block: int) -> torch.Tensor:
+    """``tile_offsets`` of :func:`flashattn.schedule.packed_tile` on the device, with torch ops and no
+    host sync: 0, then the running sum of ``cdiv(length, block)`` over the sequences (int32)."""
+    tiles = (cu_seqlens[1:] - cu_seqlens[:-1] + (block - 1)) // block
+    return torch.nn.functional.pad(torch.cumsum(tiles, 0, dtype=torch.int32), (1, 0))
 
 
 def tile_desc(x: torch.Tensor, rows: int, block_d: int):

@@ -22,31 +22,61 @@ def _reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None):
     return reference.online_backward(do, q, k, v, o, lse, problem.causal, problem.scale, dlse=dlse)
 
 
-def _kernel_forward(q, k, v, problem: Problem):
+def _kernel_forward(q, k, v, problem: Problem, packing=None):
     # Imported late: importing triton costs time, and a CPU-only user never needs it.
     from flashattn.forward import attention_forward
 
     if q.is_cuda:  # Triton launches on the current device: make it the inputs' device
         with torch.cuda.device(q.device):
-            return attention_forward(q, k, v, problem)
-    return attention_forward(q, k, v, problem)
+            return attention_forward(q, k, v, problem, packing)
+    return attention_forward(q, k, v, problem, packing)
 
 
-def _kernel_backward(do, q, k, v, o, lse, problem: Problem, dlse=None):
+def _kernel_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, packing=None):
     from flashattn.backward import attention_backward
 
     if q.is_cuda:
         with torch.cuda.device(q.device):
-            return attention_backward(do, q, k, v, o, lse, problem, dlse)
-    return attention_backward(do, q, k, v, o, lse, problem, dlse)
+            return attention_backward(do, q, k, v, o, lse, problem, dlse, packing)
+    return attention_backward(do, q, k, v, o, lse, problem, dlse, packing)
 
 
-def backend(use_kernels: bool):
+def _varlen_reference_forward(q, k, v, problem: Problem, packing):
+    # 16-bit CPU inputs run in float32 and round back, as the tile-by-tile reference does
+    wide = q.dtype if q.dtype == torch.float64 else torch.float32
+    o, lse = reference.varlen_attention(q.to(wide), k.to(wide), v.to(wide), *packing, problem.causal, problem.scale)
+    return o.to(q.dtype), lse
+
+
+def _varlen_reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, packing=None):
+    """The tile-by-tile reference backward (:func:`flashattn.reference.online_backward`), one sequence at a
+    time. Not autograd: inside a custom operator autograd does not record."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    cu_q, cu_k = (cu.tolist() for cu in packing)
+    heads = (lambda x: x.transpose(0, 1)[None])  # (L, H, D) -> (1, H, L, D)
+    for i in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        if rows.start == rows.stop or keys.start == keys.stop:
+            continue  # no query, or no key: every gradient of the sequence is zero
+        grads = reference.online_backward(
+            heads(do[rows]), heads(q[rows]), heads(k[keys]), heads(v[keys]), heads(o[rows]), lse[None, :, rows],
+            problem.causal, problem.scale, dlse=None if dlse is None else dlse[None, :, rows])
+        for out, g, span in zip((dq, dk, dv), grads, (rows, keys, keys)):
+            out[span] = g[0].transpose(0, 1)
+    return dq, dk, dv
+
+
+def backend(use_kernels: bool, varlen: bool = False):
     """``(forward, backward)`` of the Triton kernels, or of the PyTorch tile-by-tile reference.
 
     ``forward(q, k, v, problem) -> (o, lse)``;
-    ``backward(do, q, k, v, o, lse, problem, dlse=None) -> (dq, dk, dv)``.
+    ``backward(do, q, k, v, o, lse, problem, dlse=None) -> (dq, dk, dv)``. With ``varlen`` (packed
+    sequences) both take ``packing = (cu_seqlens_q, cu_seqlens_k)`` last, and the reference is
+    :func:`flashattn.reference.varlen_attention` with autograd for its backward.
     """
+    if varlen:
+        return (_kernel_forward, _kernel_backward) if use_kernels else (_varlen_reference_forward,
+                                                                        _varlen_reference_backward)
     return (_kernel_forward, _kernel_backward) if use_kernels else (_reference_forward, _reference_backward)
 
 
@@ -76,3 +106,29 @@ class AttentionFunction(torch.autograd.Function):
         with _config.tuning_of(ctx.tuning):
             dq, dk, dv = backward(do, q, k, v, o, lse, ctx.problem, dlse)
         return dq, dk, dv, None, None
+
+
+class VarlenFunction(torch.autograd.Function):
+    """``apply(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, use_kernels) -> (o, lse)`` for packed
+    sequences (:func:`flashattn.attention_varlen`), differentiable in both outputs like
+    :class:`AttentionFunction`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, problem: Problem, use_kernels: bool):
+        forward, _ = backend(use_kernels, varlen=True)
+        o, lse = forward(q, k, v, problem, (cu_seqlens_q, cu_seqlens_k))
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.problem, ctx.use_kernels = problem, use_kernels
+        ctx.tuning = _config.current_tuning()
+        ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        _, backward = backend(ctx.use_kernels, varlen=True)
+        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        if do is None:  # only the LSE was used
+            do = torch.zeros_like(o)
+        with _config.tuning_of(ctx.tuning):
+            dq, dk, dv = backward(do, q, k, v, o, lse, ctx.problem, dlse, (cu_q, cu_k))
+        return dq, dk, dv, None, None, None, None

@@ -29,10 +29,13 @@ from flashattn._triton import (
     backward_query_range,
     dense_like,
     dq_key_range,
+    heads_first,
     interpreter_needs_float32,
     launch,
+    packed_tile,
     program_tile,
     tile_desc,
+    tile_offsets,
     visible,
 )
 from flashattn.problem import Problem
@@ -145,8 +148,9 @@ def _bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn,  #
     stride_dvb, stride_dvh, stride_dvn,  #
     H_Q, H_KV, GROUP, N_CTX_Q, N_CTX_K, qk_scale, scale, N_BLOCKS, HEADS_PER_GROUP,  #
+    CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, N_SEQS,  #
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
 ):
     # key block, batch * key/value head; causal: the first key block is seen by the most rows
     i_n, i_bh = program_tile(N_BLOCKS, HEADS_PER_GROUP, False)
@@ -154,14 +158,26 @@ def _bwd_dkdv_kernel(
     i_hkv = i_bh % H_KV
 
     start_n = i_n * BLOCK_N
+    k_row = start_n  # the tile's first row in k, v, dk and dv
+    lse_rows = N_CTX_Q  # rows per head of lse2 and D
+    # --8<-- [start:bwd-dkdv-varlen-prologue]
+    if VARLEN:
+        # Packed sequences: i_n is a tile of this head's packed key rows (the forward's mapping with
+        # the sides swapped); N_CTX_Q and N_CTX_K become the sequence's lengths, start_n local to it.
+        start_n, k_start, q_start, N_CTX_K, N_CTX_Q = packed_tile(
+            i_n, BLOCK_N, TILE_OFFSETS, CU_SEQLENS_K, CU_SEQLENS_Q, N_SEQS)
+        if start_n >= N_CTX_K:
+            return  # a spare program: every tile is taken
+        k_row = k_start + start_n
+    # --8<-- [end:bwd-dkdv-varlen-prologue]
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     mask_n = offs_n < N_CTX_K
     mask_d = offs_d < HEAD_DIM
 
-    b_k = k_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
-    b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+    b_k = k_desc.load([i_b, i_hkv, k_row, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+    b_v = v_desc.load([i_b, i_hkv, k_row, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -169,10 +185,19 @@ def _bwd_dkdv_kernel(
     # [full_start, full_end) see the whole key block, [full_end, N) is the ragged last query block;
     # a ragged key block masks every tile (its padded keys must stay out of dS).
     lo, full_start, full_end = backward_query_range(start_n, BLOCK_M, BLOCK_N, N_CTX_Q, N_CTX_K, CAUSAL)
+    q_end = N_CTX_Q
+    if VARLEN:
+        # The loops walk q's packed rows from the sequence's first query (and lse2, D with them);
+        # offs_m shifted back by as much keeps each row index (start_m + offs_m) local for the masks.
+        lo, full_start, full_end, q_end = lo + q_start, full_start + q_start, full_end + q_start, q_end + q_start
+        offs_m -= q_start
+        # lse2 and D are indexed by packed row, as start_m now is: cancel the shift of offs_m there
+        LSE2 += q_start
+        DELTA += q_start
 
     for g in range(0, GROUP):  # the query heads that share this K/V head: summed here, no atomics
         i_hq = i_hkv * GROUP + g
-        row0 = (i_b.to(tl.int64) * H_Q + i_hq) * N_CTX_Q  # lse2 and D are fresh contiguous (B, Hq, N)
+        row0 = (i_b.to(tl.int64) * H_Q + i_hq) * lse_rows  # lse2 and D: fresh contiguous (B, Hq, N) or (Hq, total_q)
         p_lse2 = LSE2 + row0 + offs_m
         p_delta = DELTA + row0 + offs_m
         b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
@@ -182,16 +207,16 @@ def _bwd_dkdv_kernel(
                                      offs_m, offs_n, full_start, full_end, N_CTX_Q, N_CTX_K, qk_scale,
                                      False, CAUSAL, BLOCK_M, BLOCK_D)
         b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
-                                     offs_m, offs_n, full_end, N_CTX_Q, N_CTX_Q, N_CTX_K, qk_scale,
+                                     offs_m, offs_n, full_end, q_end, N_CTX_Q, N_CTX_K, qk_scale,
                                      True, CAUSAL, BLOCK_M, BLOCK_D)
 
     b_dk *= scale  # S = scale * Q K^T, so dK = scale * dS^T Q
     rows = tl.arange(0, BLOCK_N)[:, None]  # 64-bit bases, 32-bit offsets inside the tile
-    p_dk = DK + i_b.to(tl.int64) * stride_dkb + i_hkv.to(tl.int64) * stride_dkh + start_n.to(tl.int64) * stride_dkn \
+    p_dk = DK + i_b.to(tl.int64) * stride_dkb + i_hkv.to(tl.int64) * stride_dkh + k_row.to(tl.int64) * stride_dkn \
         + rows * stride_dkn + offs_d[None, :]
-    p_dv = DV + i_b.to(tl.int64) * stride_dvb + i_hkv.to(tl.int64) * stride_dvh + start_n.to(tl.int64) * stride_dvn \
+    p_dv = DV + i_b.to(tl.int64) * stride_dvb + i_hkv.to(tl.int64) * stride_dvh + k_row.to(tl.int64) * stride_dvn \
         + rows * stride_dvn + offs_d[None, :]
-    mask_out = mask_n[:, None] & mask_d[None, :]
+    mask_out = mask_n[:, None] & mask_d[None, :]  # mask_n: keys of this sequence only
     tl.store(p_dk, b_dk.to(DK.dtype.element_ty), mask=mask_out)
     tl.store(p_dv, b_dv.to(DV.dtype.element_ty), mask=mask_out)
 # --8<-- [end:bwd-dkdv-kernel]
@@ -228,8 +253,9 @@ def _bwd_dq_kernel(
     q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DQ,  #
     stride_dqb, stride_dqh, stride_dqn,  #
     H_Q, GROUP, N_CTX_Q, N_CTX_K, qk_scale, scale, N_BLOCKS, HEADS_PER_GROUP,  #
+    CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, N_SEQS,  #
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
 ):
     # query block, batch * query head; causal: the longest key walks first, as in the forward
     i_m, i_bh = program_tile(N_BLOCKS, HEADS_PER_GROUP, CAUSAL)
@@ -238,30 +264,44 @@ def _bwd_dq_kernel(
     i_hkv = i_hq // GROUP
 
     start_m = i_m * BLOCK_M
+    q_row = start_m  # the tile's first row in q, dO and dq
+    row0 = i_bh.to(tl.int64) * N_CTX_Q  # of lse2 and D, fresh contiguous (B, Hq, N)
+    if VARLEN:
+        # Packed sequences: the forward's mapping (its prologue says more)
+        row0 = i_hq.to(tl.int64) * N_CTX_Q  # lse2 and D are (Hq, total_q); N_CTX_Q arrives as total_q
+        start_m, q_start, k_start, N_CTX_Q, N_CTX_K = packed_tile(
+            i_m, BLOCK_M, TILE_OFFSETS, CU_SEQLENS_Q, CU_SEQLENS_K, N_SEQS)
+        if start_m >= N_CTX_Q:
+            return  # a spare program: every tile is taken
+        q_row = q_start + start_m
+        row0 += q_start
     offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     mask_m = offs_m < N_CTX_Q
     mask_d = offs_d < HEAD_DIM
 
-    b_q = q_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
-    b_do = do_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
-    row0 = i_bh.to(tl.int64) * N_CTX_Q
+    b_q = q_desc.load([i_b, i_hq, q_row, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+    b_do = do_desc.load([i_b, i_hq, q_row, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
     b_lse2, b_delta = _load_row_stats(LSE2 + row0 + offs_m, DELTA + row0 + offs_m, mask_m, True)
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # The forward's key walk; a ragged last query block masks every tile (the schedule's dq_key_range).
     full_end, hi = dq_key_range(start_m, BLOCK_M, BLOCK_N, N_CTX_Q, N_CTX_K, CAUSAL)
+    lo = 0
+    if VARLEN:  # k's packed rows from the sequence's first key, key indices local (as in the forward)
+        lo, full_end, hi = k_start, k_start + full_end, k_start + hi
+        offs_n -= k_start
 
     b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
-                         0, full_end, N_CTX_Q, N_CTX_K, qk_scale, False, CAUSAL, BLOCK_N, BLOCK_D)
+                         lo, full_end, N_CTX_Q, N_CTX_K, qk_scale, False, CAUSAL, BLOCK_N, BLOCK_D)
     b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
                          full_end, hi, N_CTX_Q, N_CTX_K, qk_scale, True, CAUSAL, BLOCK_N, BLOCK_D)
 
     b_dq *= scale  # S = scale * Q K^T, so dQ = scale * dS K
-    p_dq = DQ + i_b.to(tl.int64) * stride_dqb + i_hq.to(tl.int64) * stride_dqh + start_m.to(tl.int64) * stride_dqn \
+    p_dq = DQ + i_b.to(tl.int64) * stride_dqb + i_hq.to(tl.int64) * stride_dqh + q_row.to(tl.int64) * stride_dqn \
         + tl.arange(0, BLOCK_M)[:, None] * stride_dqn + offs_d[None, :]
-    tl.store(p_dq, b_dq.to(DQ.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(p_dq, b_dq.to(DQ.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])  # this sequence's rows
 # --8<-- [end:bwd-dq-kernel]
 
 
@@ -275,53 +315,78 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 # --8<-- [start:bwd-launch]
-def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None):
+def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, packing=None):
     """Run the three backward kernels on ``q``'s device. Returns ``(dq, dk, dv)`` shaped like q, k, v.
 
     ``o`` and ``lse`` are the forward's outputs; ``dlse`` (B, Hq, N), when given, is the gradient that
-    reached the LSE output. dK and dV of a K/V head sum over its query heads.
+    reached the LSE output. dK and dV of a K/V head sum over its query heads. Packed sequences
+    (``problem.varlen``) take the packed layouts and ``packing`` of
+    :func:`flashattn.forward.attention_forward`, with lse and dlse (Hq, total_q).
     """
     if interpreter_needs_float32(q):
-        grads = attention_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, problem, dlse)
+        grads = attention_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, problem, dlse,
+                                   packing)
         return tuple(g.to(q.dtype) for g in grads)
+    p = problem
+    if p.varlen:
+        dq, dk, dv = dense_like(q), dense_like(k), dense_like(v)
+        if p.total_q == 0 or p.total_k == 0:  # no query sees a key: every gradient is zero
+            return dq.zero_(), dk.zero_(), dv.zero_()
+        # (total, H, D) viewed as (1, H, total, D); the row-wise preprocess sees one sequence of total_q rows
+        do, q, k, v, o, dq_view, dk_view, dv_view = (heads_first(x) for x in (do, q, k, v, o, dq, dk, dv))
+        cu_q, cu_k = packing
+        n_q, n_k, batch = p.total_q, p.total_k, 1
+    else:
+        n_q, n_k, batch = p.n, p.m, p.batch
     do, q, k, v = (addressable(x) for x in (do, q, k, v))
     if o.stride(-1) != 1:
         o = o.contiguous()  # read with plain loads by the preprocess kernel: any row stride works
-    p = problem
     lse = lse.contiguous()
-    dq, dk, dv = dense_like(q), dense_like(k), dense_like(v)
-    delta = torch.empty((p.batch, p.heads_q, p.n), dtype=torch.float32, device=q.device)
+    if not p.varlen:
+        dq, dk, dv = dq_view, dk_view, dv_view = dense_like(q), dense_like(k), dense_like(v)
+    delta = torch.empty((batch, p.heads_q, n_q), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
+    if not p.varlen:
+        cu_q = cu_k = delta  # never read: VARLEN is off
     has_dlse = dlse is not None
     block = 32 if _config.is_interpreter() else PREPROCESS_BLOCK
-    n_rows = triton.cdiv(p.n, block)
-    launch(_bwd_preprocess_kernel, n_rows * p.batch * p.heads_q,
+    n_rows = triton.cdiv(n_q, block)
+    launch(_bwd_preprocess_kernel, n_rows * batch * p.heads_q,
            (o, do, lse, dlse.contiguous() if has_dlse else lse, lse2, delta,
             o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-            p.heads_q, p.n, n_rows),
+            p.heads_q, n_q, n_rows),
            dict(HAS_DLSE=has_dlse, HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=block), {})
 
     def run_dkdv(plan: _config.Plan):
         cfg = plan.config
+        offsets = tile_offsets(cu_k, cfg.block_n) if p.varlen else delta
         args = (tile_desc(q, cfg.block_m, p.block_d), tile_desc(k, cfg.block_n, p.block_d),
                 tile_desc(v, cfg.block_n, p.block_d), tile_desc(do, cfg.block_m, p.block_d),
-                lse2, delta, dk, dv,
-                dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-                p.heads_q, p.heads_kv, p.group, p.n, p.m, p.qk_scale, p.scale, plan.n_blocks, plan.heads_per_group)
+                lse2, delta, dk_view, dv_view,
+                dk_view.stride(0), dk_view.stride(1), dk_view.stride(2),
+                dv_view.stride(0), dv_view.stride(1), dv_view.stride(2),
+                p.heads_q, p.heads_kv, p.group, n_q, n_k, p.qk_scale, p.scale, plan.n_blocks, plan.heads_per_group,
+                cu_q, cu_k, offsets, p.batch)
         launch(_bwd_dkdv_kernel, plan.grid, args, plan.constexprs, plan.options)
 
     def run_dq(plan: _config.Plan):
         cfg = plan.config
+        offsets = tile_offsets(cu_q, cfg.block_m) if p.varlen else delta
         args = (tile_desc(q, cfg.block_m, p.block_d), tile_desc(k, cfg.block_n, p.block_d),
                 tile_desc(v, cfg.block_n, p.block_d), tile_desc(do, cfg.block_m, p.block_d),
-                lse2, delta, dq, dq.stride(0), dq.stride(1), dq.stride(2),
-                p.heads_q, p.group, p.n, p.m, p.qk_scale, p.scale, plan.n_blocks, plan.heads_per_group)
+                lse2, delta, dq_view, dq_view.stride(0), dq_view.stride(1), dq_view.stride(2),
+                p.heads_q, p.group, n_q, n_k, p.qk_scale, p.scale, plan.n_blocks, plan.heads_per_group,
+                cu_q, cu_k, offsets, p.batch)
         launch(_bwd_dq_kernel, plan.grid, args, plan.constexprs, plan.options)
 
-    # autotuning (opt-in) times candidate configs through the same launches
     device = q.device
-    plan_dkdv = _config.plan("bwd_dkdv", p, device, lambda c: run_dkdv(_config.plan_for("bwd_dkdv", p, device, c)))
-    plan_dq = _config.plan("bwd_dq", p, device, lambda c: run_dq(_config.plan_for("bwd_dq", p, device, c)))
+    if p.varlen:  # the fixed table entries, as in the forward
+        plan_dkdv = _config.plan_for("bwd_dkdv", p, device, _config.get_config("bwd_dkdv", p, device))
+        plan_dq = _config.plan_for("bwd_dq", p, device, _config.get_config("bwd_dq", p, device))
+    else:
+        # autotuning (opt-in) times candidate configs through the same launches
+        plan_dkdv = _config.plan("bwd_dkdv", p, device, lambda c: run_dkdv(_config.plan_for("bwd_dkdv", p, device, c)))
+        plan_dq = _config.plan("bwd_dq", p, device, lambda c: run_dq(_config.plan_for("bwd_dq", p, device, c)))
     if _config.current_tuning().overlap_dq and q.is_cuda:
         # The two kernels read the same inputs and write disjoint outputs, so they may run side by
         # side: on a second stream the dQ programs fill the SMs that the last wave of dK/dV leaves

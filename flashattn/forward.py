@@ -33,10 +33,13 @@ from flashattn._triton import (
     addressable,
     dense_like,
     forward_key_range,
+    heads_first,
     interpreter_needs_float32,
     launch,
+    packed_tile,
     program_tile,
     tile_desc,
+    tile_offsets,
     visible,
 )
 from flashattn.problem import Problem
@@ -95,8 +98,9 @@ def _attn_fwd_kernel(
     q_desc, k_desc, v_desc, O, LSE,  #
     stride_ob, stride_oh, stride_on,  #
     H_Q, GROUP, N_CTX_Q, N_CTX_K, qk_scale, N_BLOCKS, HEADS_PER_GROUP,  #
+    CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, N_SEQS,  #
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
 ):
     # Causal rows late in the sequence see the most keys: those blocks launch first, so the short
     # ones fill the gaps at the end of the grid instead of the long ones trailing alone.
@@ -107,13 +111,30 @@ def _attn_fwd_kernel(
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
 
     start_m = i_m * BLOCK_M
+    q_row = start_m  # the tile's first row in q, o and lse
+    lse_row = i_bh.to(tl.int64) * N_CTX_Q  # lse is a fresh contiguous (B, Hq, N)
+    # --8<-- [start:fwd-varlen-prologue]
+    if VARLEN:
+        # Packed sequences, viewed as B = 1: i_m is a tile of this head's packed query rows, and
+        # packed_tile finds its sequence. From here on N_CTX_Q and N_CTX_K are that sequence's
+        # lengths and start_m, the masks and the schedule are local to it: one ordinary (n_i, m_i)
+        # problem whose rows begin at q_start of q and whose keys begin at k_start of k.
+        lse_row = i_hq.to(tl.int64) * N_CTX_Q  # lse is (Hq, total_q); N_CTX_Q arrives as total_q
+        start_m, q_start, k_start, N_CTX_Q, N_CTX_K = packed_tile(
+            i_m, BLOCK_M, TILE_OFFSETS, CU_SEQLENS_Q, CU_SEQLENS_K, N_SEQS)
+        if start_m >= N_CTX_Q:
+            return  # a spare program: every tile is taken
+        q_row = q_start + start_m
+        lse_row += q_start
+    # --8<-- [end:fwd-varlen-prologue]
     offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D], padded to a power of two
     mask_m = offs_m < N_CTX_Q
     mask_d = offs_d < HEAD_DIM
 
-    b_q = q_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+    # a packed tile's rows past its sequence are the next sequence's: read, masked, never stored
+    b_q = q_desc.load([i_b, i_hq, q_row, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max, base 2
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # running unnormalized P V
@@ -121,9 +142,15 @@ def _attn_fwd_kernel(
     # The block schedule: key blocks in [0, full_end) are visible to every row of this query block,
     # [full_end, hi) straddle the causal diagonal or the ragged key edge, [hi, M) are never visited.
     full_end, hi = forward_key_range(start_m, BLOCK_M, BLOCK_N, N_CTX_Q, N_CTX_K, CAUSAL)
+    lo = 0
+    if VARLEN:
+        # The loops walk k's packed rows from the sequence's first key; offs_n shifted back by as
+        # much keeps each key index (start_n + offs_n) local to the sequence for the masks.
+        lo, full_end, hi = k_start, k_start + full_end, k_start + hi
+        offs_n -= k_start
 
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
-                               0, full_end, N_CTX_Q, N_CTX_K, qk_scale, False, CAUSAL, BLOCK_N, BLOCK_D)
+                               lo, full_end, N_CTX_Q, N_CTX_K, qk_scale, False, CAUSAL, BLOCK_N, BLOCK_D)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
                                full_end, hi, N_CTX_Q, N_CTX_K, qk_scale, True, CAUSAL, BLOCK_N, BLOCK_D)
 
@@ -135,39 +162,60 @@ def _attn_fwd_kernel(
     # lse = ln(sum exp(s)) = (m_i + log2(l_i)) * ln 2, with m_i the base-2 max
     b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)  # [BLOCK_M]
     # 64-bit base, 32-bit offsets inside the tile: a (B, N, H, D) output can hold more than 2^31 elements
-    p_o = O + i_b.to(tl.int64) * stride_ob + i_hq.to(tl.int64) * stride_oh + start_m.to(tl.int64) * stride_on \
+    p_o = O + i_b.to(tl.int64) * stride_ob + i_hq.to(tl.int64) * stride_oh + q_row.to(tl.int64) * stride_on \
         + tl.arange(0, BLOCK_M)[:, None] * stride_on + offs_d[None, :]
     if EVEN_D:
         tl.store(p_o, b_o.to(O.dtype.element_ty), mask=mask_m[:, None])
     else:
         tl.store(p_o, b_o.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
-    p_lse = LSE + i_bh.to(tl.int64) * N_CTX_Q + offs_m  # lse is a fresh contiguous (B, Hq, N)
-    tl.store(p_lse, b_lse, mask=mask_m)
+    p_lse = LSE + lse_row + offs_m
+    tl.store(p_lse, b_lse, mask=mask_m)  # mask_m: rows of this sequence (of this head) only
     # --8<-- [end:fwd-lse-epilogue]
 # --8<-- [end:fwd-kernel]
 
 
 # --8<-- [start:fwd-launch]
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem):
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem, packing=None):
     """Run the forward kernel on ``q``'s device. Returns ``(o, lse)``: o like q, lse float32 (B, Hq, N),
     natural log. Inputs are validated by :mod:`flashattn.api`; any outer strides are used as they are.
+
+    Packed sequences (``problem.varlen``): q is (total_q, Hq, D), k and v (total_k, Hkv, D), ``packing``
+    is ``(cu_seqlens_q, cu_seqlens_k)`` (int32, on q's device, validated by :mod:`flashattn.varlen`),
+    and lse is (Hq, total_q).
     """
     if interpreter_needs_float32(q):
-        o, lse = attention_forward(q.float(), k.float(), v.float(), problem)
+        o, lse = attention_forward(q.float(), k.float(), v.float(), problem, packing)
         return o.to(q.dtype), lse
-    q, k, v = (addressable(x) for x in (q, k, v))
     p = problem
-    o = dense_like(q)  # keeps q's memory layout, e.g. (B, N, H, D) for a transposed view
-    lse = torch.empty((p.batch, p.heads_q, p.n), dtype=torch.float32, device=q.device)
+    if p.varlen:
+        o = dense_like(q)
+        lse = torch.empty((p.heads_q, p.total_q), dtype=torch.float32, device=q.device)
+        if p.total_q == 0 or p.total_k == 0:  # nothing to launch: no key anywhere gives o = 0, lse = -inf
+            return o.zero_(), lse.fill_(float("-inf"))
+        q, k, v, o_view = (heads_first(x) for x in (q, k, v, o))  # (1, H, total, D) views
+        cu_q, cu_k = packing
+        n_q, n_k = p.total_q, p.total_k  # the kernel reads each sequence's lengths from cu_seqlens
+        q, k, v = (addressable(x) for x in (q, k, v))
+    else:
+        q, k, v = (addressable(x) for x in (q, k, v))
+        o = o_view = dense_like(q)  # keeps q's memory layout, e.g. (B, N, H, D) for a transposed view
+        lse = torch.empty((p.batch, p.heads_q, p.n), dtype=torch.float32, device=q.device)
+        cu_q = cu_k = lse  # never read: VARLEN is off
+        n_q, n_k = p.n, p.m
 
     def run(plan: _config.Plan):
         cfg = plan.config
+        offsets = tile_offsets(cu_q, cfg.block_m) if p.varlen else lse
         args = (tile_desc(q, cfg.block_m, p.block_d), tile_desc(k, cfg.block_n, p.block_d),
-                tile_desc(v, cfg.block_n, p.block_d), o, lse,
-                o.stride(0), o.stride(1), o.stride(2),
-                p.heads_q, p.group, p.n, p.m, p.qk_scale, plan.n_blocks, plan.heads_per_group)
+                tile_desc(v, cfg.block_n, p.block_d), o_view, lse,
+                o_view.stride(0), o_view.stride(1), o_view.stride(2),
+                p.heads_q, p.group, n_q, n_k, p.qk_scale, plan.n_blocks, plan.heads_per_group,
+                cu_q, cu_k, offsets, p.batch)
         launch(_attn_fwd_kernel, plan.grid, args, plan.constexprs, plan.options)
 
+    if p.varlen:  # the fixed table entry: every new total would otherwise be a new plan (and autotuning)
+        run(_config.plan_for("fwd", p, q.device, _config.get_config("fwd", p, q.device)))
+        return o, lse
     # autotuning (opt-in) times candidate configs through the same launch
     run(_config.plan("fwd", p, q.device, lambda cfg: run(_config.plan_for("fwd", p, q.device, cfg))))
     return o, lse

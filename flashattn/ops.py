@@ -2,7 +2,8 @@
 
 ``torch.ops.flashattn.attention_forward(q, k, v, causal, scale) -> (o, lse)`` and
 ``torch.ops.flashattn.attention_backward(do, q, k, v, o, lse, dlse, causal, scale) -> (dq, dk, dv)``
-are registered with :mod:`torch.library`: a fake (meta) implementation gives Dynamo and AOTAutograd
+(and their packed-sequence twins ``attention_varlen_forward`` / ``attention_varlen_backward``, which
+also take ``cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k``) are registered with :mod:`torch.library`: a fake (meta) implementation gives Dynamo and AOTAutograd
 the output shapes without running anything, and the forward's autograd formula calls the backward
 operator. To the compiler each is one opaque node, so ``torch.compile(fullgraph=True)`` traces a
 model that calls :func:`flashattn.attention` without a graph break, with dynamic shapes and under
@@ -87,3 +88,56 @@ def _backward(ctx, do, dlse):
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Packed sequences (flashattn.varlen): the same pattern, with the cumulative lengths as tensor inputs.
+def _packed_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, scale) -> Problem:
+    return Problem.packed(q, k, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, causal, scale)
+
+
+@torch.library.custom_op("flashattn::attention_varlen_forward", mutates_args=())
+def attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                             max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                             scale: float) -> tuple[Tensor, Tensor]:
+    problem = _packed_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, scale)
+    o, lse = backend(use_kernels(q), varlen=True)[0](q, k, v, problem, (cu_seqlens_q, cu_seqlens_k))
+    return _in_layout(o, q), lse
+
+
+@attention_varlen_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale):
+    return _like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op("flashattn::attention_varlen_backward", mutates_args=())
+def attention_varlen_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                              dlse: Tensor | None, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                              max_seqlen_k: int, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    problem = _packed_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, scale)
+    dq, dk, dv = backend(use_kernels(q), varlen=True)[1](do, q, k, v, o, lse, problem, dlse,
+                                                         (cu_seqlens_q, cu_seqlens_k))
+    return _in_layout(dq, q), _in_layout(dk, k), _in_layout(dv, v)
+
+
+@attention_varlen_backward.register_fake
+def _(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale):
+    return _like(q), _like(k), _like(v)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.max_seqlens, ctx.causal, ctx.scale = (max_seqlen_q, max_seqlen_k), causal, scale
+
+
+def _varlen_backward(ctx, do, dlse):
+    q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = torch.ops.flashattn.attention_varlen_backward(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k,
+                                                               *ctx.max_seqlens, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+attention_varlen_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

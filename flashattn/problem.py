@@ -32,6 +32,11 @@ class Problem:
     dtype: torch.dtype
     causal: bool  # bottom-right aligned: query i sees key j when j <= i + M - N
     scale: float  # softmax scale tau in S = tau Q K^T
+    # Packed sequences (flashattn.varlen): batch counts the sequences, n and m are the longest ones
+    # (max_seqlen_q, max_seqlen_k), and the tensors hold total_q and total_k rows per head.
+    varlen: bool = False
+    total_q: int = 0
+    total_k: int = 0
 
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool = False, scale: float | None = None) -> "Problem":
@@ -39,6 +44,15 @@ class Problem:
         batch, heads_q, n, head_dim = q.shape
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         return cls(batch, heads_q, k.shape[1], n, k.shape[2], head_dim, q.dtype, bool(causal), scale)
+
+    @classmethod
+    def packed(cls, q: torch.Tensor, k: torch.Tensor, n_seqs: int, max_seqlen_q: int, max_seqlen_k: int,
+               causal: bool = False, scale: float | None = None) -> "Problem":
+        """The description of packed attention of q (total_q, Hq, D) over k (total_k, Hkv, D)."""
+        total_q, heads_q, head_dim = q.shape
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        return cls(n_seqs, heads_q, k.shape[1], int(max_seqlen_q), int(max_seqlen_k), head_dim, q.dtype,
+                   bool(causal), scale, True, total_q, k.shape[0])
 
     @property
     def group(self) -> int:

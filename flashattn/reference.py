@@ -235,6 +235,39 @@ def online_backward(
 # --8<-- [end:online-backward]
 
 
+# --8<-- [start:varlen-reference]
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, scale: float | None = None):
+    """Packed sequences by the definition: :func:`naive_attention` on each sequence alone.
+
+    q is (total_q, Hq, D) and k, v are (total_k, Hkv, D), the sequences one after the other; sequence
+    ``i`` holds rows ``cu_seqlens_q[i] : cu_seqlens_q[i + 1]`` of q and ``cu_seqlens_k[i] :
+    cu_seqlens_k[i + 1]`` of k and v, and attends to nothing else (causal: bottom-right within the
+    sequence). Returns ``(o, lse)``: o (total_q, Hq, D), lse (Hq, total_q), the layout of
+    ``flash_attn_varlen_func``. A sequence without keys gives o = 0, lse = -inf. Computes in the dtype
+    of the inputs (float64 for a ground truth); differentiable by autograd. Reads the lengths on the host.
+    """
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    total_q, h_q, d = q.shape
+    o_parts, lse_parts = [], []
+    for i in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        n, m = rows.stop - rows.start, keys.stop - keys.start
+        if n == 0:
+            continue
+        if m == 0:  # no key at all
+            o_parts.append(q.new_zeros((n, h_q, d)))
+            lse_parts.append(torch.full((h_q, n), float("-inf"), dtype=_acc_dtype(q), device=q.device))
+            continue
+        heads = (lambda x: x.transpose(0, 1)[None])  # (L, H, D) -> (1, H, L, D)
+        o_i, lse_i = naive_attention(heads(q[rows]), heads(k[keys]), heads(v[keys]), causal=causal, scale=scale)
+        o_parts.append(o_i[0].transpose(0, 1))
+        lse_parts.append(lse_i[0])
+    if not o_parts:
+        return q.new_zeros(q.shape), torch.empty((h_q, 0), dtype=_acc_dtype(q), device=q.device)
+    return torch.cat(o_parts, 0), torch.cat(lse_parts, 1)
+# --8<-- [end:varlen-reference]
+
+
 # ----------------------------------------------------------------------------------------------
 # Decoding against a KV cache (flashattn.decode): the cache append, attention per sequence, and the
 # split-KV partials and their merge. Layout of flash_attn's ``flash_attn_with_kvcache``: q is

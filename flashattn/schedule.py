@@ -13,8 +13,8 @@ Tiling the (N, M) score matrix into ``block_m x block_n`` tiles splits the tiles
   and never stored in the forward; the dK/dV loop masks them, see :func:`backward_query_range`);
 * **skipped**: no (i, j) in the tile is visible: the kernel never loads it.
 
-Every function here is plain arithmetic on four primitives (:func:`minimum`, :func:`maximum`,
-:func:`clamp`, :func:`select`), so the Triton kernels wrap the very same functions with
+Every function here is plain arithmetic on five primitives (:func:`minimum`, :func:`maximum`,
+:func:`clamp`, :func:`select`, and :func:`load` for the packed-sequence tables), so the Triton kernels wrap the very same functions with
 ``triton.jit`` (swapping the primitives for ``tl.minimum``, ``tl.maximum`` and ``tl.where``): the
 kernels call :func:`forward_key_range`, :func:`dq_key_range`, :func:`backward_query_range`,
 :func:`visible` and :func:`launch_order` compiled, the PyTorch reference calls them on the host, and
@@ -50,6 +50,11 @@ def clamp(x, lo, hi):
 
 def select(condition, if_true, if_false):
     return if_true if condition else if_false
+
+
+def load(table, i):
+    """Entry ``i`` of an integer table: a list or tensor on the host, a pointer (``tl.load``) on the device."""
+    return table[i]
 # --8<-- [end:primitives]
 
 
@@ -176,6 +181,80 @@ def launch_order(pid, n_blocks, heads_per_group):
     head = group * heads_per_group + r - rank * heads_per_group
     return rank, head
 # --8<-- [end:launch-order]
+
+
+# --8<-- [start:packed-tile]
+def sequence_of_tile(tile, tile_offsets, n_seqs):
+    """The sequence that the ``tile``-th tile of a packed batch belongs to.
+
+    ``tile_offsets`` holds ``n_seqs + 1`` non-decreasing entries, ``tile_offsets[s]`` being the
+    number of tiles of the sequences before ``s`` (0 first); a sequence with no rows has no tile and
+    repeats its neighbour's entry. A binary search for the last ``s < n_seqs`` with
+    ``tile_offsets[s] <= tile``: that sequence has ``tile_offsets[s + 1] > tile``, so it is never an
+    empty one. A tile at or past the last entry lands in the last sequence, past its end, which
+    :func:`packed_tile`'s caller checks. ``tile * 0`` is a zero of the tile's own type: on the device
+    the loop's bounds must be tensors from the start.
+    """
+    lo = tile * 0  # invariant: tile_offsets[lo] <= tile, and tile < tile_offsets[hi] or hi == n_seqs
+    hi = lo + n_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        later = load(tile_offsets, mid) <= tile
+        lo = select(later, mid, lo)
+        hi = select(later, hi, mid)
+    return lo
+
+
+def packed_tile(tile, block, tile_offsets, cu_tiled, cu_other, n_seqs):
+    """Where the ``tile``-th tile of a packed batch lies: one program's share of a varlen kernel.
+
+    The tiled side (queries in the forward and dQ, keys in dK/dV) has ``block`` rows per tile and the
+    sequence boundaries ``cu_tiled`` (``n_seqs + 1`` cumulative lengths, 0 first); ``cu_other`` are
+    the boundaries of the other side. Returns ``(start, tiled_start, other_start, tiled_len,
+    other_len)``: the tile's first row inside its sequence, where the sequence begins in each packed
+    tensor, and its two lengths. ``start >= tiled_len`` marks a program with no tile: the launch has
+    ``cdiv(total, block) + n_seqs`` programs per head, a bound the host knows without reading the
+    lengths, and the programs past the last tile stop at once.
+    """
+    seq = sequence_of_tile(tile, tile_offsets, n_seqs)
+    start = (tile - load(tile_offsets, seq)) * block
+    tiled_start = load(cu_tiled, seq)
+    other_start = load(cu_other, seq)
+    tiled_len = load(cu_tiled, seq + 1) - tiled_start
+    other_len = load(cu_other, seq + 1) - other_start
+    return start, tiled_start, other_start, tiled_len, other_len
+# --8<-- [end:packed-tile]
+
+
+def packed_tile_offsets(cu_seqlens, block):
+    """``tile_offsets`` of :func:`sequence_of_tile` for a list of cumulative lengths (the host mirror of
+    the launcher's torch ops): the running sum of ``cdiv(length, block)`` over the sequences."""
+    offsets = [0]
+    for lo, hi in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        offsets.append(offsets[-1] + -(-(hi - lo) // block))
+    return offsets
+
+
+def packed_programs(cu_tiled, cu_other, block):
+    """What every program of one head of a varlen launch does, on the host.
+
+    Returns one entry per launched program (``cdiv(total, block) + n_seqs`` of them): ``None`` for a
+    program that stops at once, else ``(seq, start, tiled_start, other_start, tiled_len, other_len)``
+    from the very :func:`packed_tile` the kernels run. The figure of the packing page and the tests
+    count from here.
+    """
+    n_seqs = len(cu_tiled) - 1
+    offsets = packed_tile_offsets(cu_tiled, block)
+    programs = []
+    for tile in range(-(-cu_tiled[-1] // block) + n_seqs):
+        start, tiled_start, other_start, tiled_len, other_len = packed_tile(
+            tile, block, offsets, cu_tiled, cu_other, n_seqs)
+        if start >= tiled_len:
+            programs.append(None)
+        else:
+            seq = sequence_of_tile(tile, offsets, n_seqs)
+            programs.append((seq, start, tiled_start, other_start, tiled_len, other_len))
+    return programs
 
 
 @functools.lru_cache(maxsize=256)

@@ -835,3 +835,60 @@ def test_ab_export_then_compare_from_the_folder(tmp_path, monkeypatch):
     if out["same_sources"]:
         assert out["rows"][0]["bitwise_equal"]
 
+
+# -- the varlen benchmark (benchmarks.varlen): its CPU-side pieces ------------------------------------
+
+def test_varlen_lengths_fill_the_pack_within_the_spread():
+    from benchmarks import varlen
+
+    for seed in range(4):
+        lengths = varlen.draw_lengths(varlen.TOKENS, varlen.MIN_LEN, varlen.MAX_LEN, seed)
+        assert sum(lengths) == varlen.TOKENS
+        assert all(varlen.MIN_LEN <= n <= varlen.MAX_LEN for n in lengths[:-1]) and 1 <= lengths[-1] <= varlen.MAX_LEN
+    assert varlen.draw_lengths(1000, 64, 8192, 0) == varlen.draw_lengths(1000, 64, 8192, 0)  # seeded
+
+
+def test_varlen_flops_are_the_cost_model_summed_over_sequences():
+    from benchmarks import varlen
+
+    lengths = [100, 3, 50]
+    assert varlen.pack_flops(lengths, 4, 64, False, "fwd") == 4 * 4 * 64 * (100 ** 2 + 9 + 2500)
+    causal_pairs = sum(n * (n + 1) // 2 for n in lengths)
+    assert varlen.pack_flops(lengths, 4, 64, True, "fwd_bwd") == 3.5 * 4 * 4 * 64 * causal_pairs
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_document_mask_is_the_reference_visibility(causal):
+    """FlexAttention's mask_mod, evaluated on every (query, key) pair, is block diagonal by sequence
+    and causal within each, exactly the pairs schedule.visible allows per sequence."""
+    from benchmarks import varlen
+    from flashattn import schedule
+
+    lengths = [5, 1, 7]
+    cu = [0, 5, 6, 13]
+    doc = varlen.document_ids(lengths, "cpu")
+    mask_mod = varlen.document_mask_mod(doc, torch.tensor(cu[:-1]), causal)
+    i, j = torch.arange(13)[:, None], torch.arange(13)[None, :]
+    got = mask_mod(0, 0, i, j)
+    want = torch.zeros(13, 13, dtype=torch.bool)
+    for s, n in enumerate(lengths):
+        for a in range(n):
+            for b in range(n):
+                want[cu[s] + a, cu[s] + b] = schedule.is_visible(a, b, n, n, causal)
+    assert torch.equal(got, want)
+
+
+def test_varlen_padding_round_trips_and_providers_agree_on_the_cpu():
+    """pad/unpad keep every real row; on the CPU (interpreter) the packed and the padded causal
+    flashattn providers both pass the benchmark's own check."""
+    from benchmarks import varlen
+
+    lengths = [9, 20, 4]
+    q, k, v = (torch.randn(33, 2, 16, dtype=torch.float16) for _ in range(3))
+    cu = [0, 9, 29, 33]
+    assert torch.equal(varlen.unpad(varlen.pad(q, lengths, cu), lengths), q)
+    for name in ("flashattn", "flashattn_padded"):
+        fn, checked = varlen.prepare(name, q, k, v, lengths, True)
+        assert checked
+        assert varlen.check(fn(), q, k, v, lengths, True)["passed"], name
+    assert varlen.prepare("flashattn_padded", q, k, v, lengths, False)[1] is False  # padding keys: timing only

@@ -357,7 +357,53 @@ def online_rescaling() -> str:
     return _svg(fig)
 
 
+def packing() -> str:
+    """Programs of one head of a varlen forward launch, mapped to sequences by schedule.packed_programs."""
+    lengths = [70, 0, 150, 20, 95]  # one empty sequence
+    block = 32
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    programs = schedule.packed_programs(cu, cu, block)
+    palette = ["#4c9f70", "#f2a541", "#5b8bd0", "#c4577a", "#8e6cc0"]
+    fig, ax = plt.subplots(figsize=(12, 3.4))
+    total = cu[-1]
+    # top row: the packed query rows, coloured by sequence
+    for s, n in enumerate(lengths):
+        if n:
+            ax.add_patch(Rectangle((cu[s], 2.2), n, 0.8, facecolor=palette[s], edgecolor="white", lw=1.5))
+            ax.text(cu[s] + n / 2, 2.6, f"seq {s}: {n} rows", ha="center", va="center", fontsize=8)
+    ax.text(cu[2], 3.15, "seq 1: 0 rows (no tile)", ha="center", fontsize=8, color="#555555")
+    # bottom row: one box per program, at the rows its tile covers; spare programs greyed at the end
+    spare = 0
+    for pid, work in enumerate(programs):
+        if work is None:
+            x = total + 12 + spare * 22
+            ax.add_patch(Rectangle((x, 0.2), 18, 0.8, facecolor=COLORS[schedule.SKIPPED], edgecolor="#999999", lw=0.8))
+            ax.text(x + 9, 0.6, f"p{pid}", ha="center", va="center", fontsize=7, color="#777777")
+            spare += 1
+            continue
+        seq, start, q_start, _, n, _ = work
+        x, w = q_start + start, min(block, n - start)
+        ax.add_patch(Rectangle((x, 0.2), w, 0.8, facecolor=palette[seq], alpha=0.55, edgecolor="black", lw=0.8))
+        ax.text(x + w / 2, 0.6, f"p{pid}", ha="center", va="center", fontsize=7)
+        ax.add_patch(FancyArrowPatch((x + w / 2, 1.05), (x + w / 2, 2.15), arrowstyle="-|>", mutation_scale=7,
+                                     color="#777777", lw=0.6))
+    ax.text(total + 12 + spare * 11, 1.25, "spare programs: stop at once", ha="center", fontsize=8, color="#555555")
+    ax.set_xlim(-5, total + 12 + spare * 22 + 10)
+    ax.set_ylim(0, 3.5)
+    ax.set_yticks([0.6, 2.6], ["programs\n(one head)", "packed rows"])
+    ax.set_xlabel("packed row index (cu_seqlens = " + ", ".join(map(str, cu)) + ")")
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    working = sum(p is not None for p in programs)
+    ax.set_title(f"BLOCK_M = {block}: {len(programs)} programs = cdiv({total}, {block}) + {len(lengths)} sequences; "
+                 f"{working} take a tile, {len(programs) - working} are spare", fontsize=10)
+    return _svg(fig)
+
+
 FIGURES = {
+    "packing": packing,
     "dataflow": dataflow,
     "online-rescaling": online_rescaling,
     "causal-schedule": causal_schedule,

@@ -1,0 +1,196 @@
+"""Packed variable-length batches: :func:`attention_varlen` and the ``flash_attn``-style
+:func:`flash_attn_varlen_func`.
+
+Training pipelines pack sequences of different lengths one after the other, with no padding, and pass
+their boundaries as cumulative lengths: sequence ``i`` holds rows ``cu_seqlens_q[i] : cu_seqlens_q[i + 1]``
+of q and ``cu_seqlens_k[i] : cu_seqlens_k[i + 1]`` of k and v, and attends to nothing else. The kernels
+launch one program per tile of a sequence (:func:`flashattn.schedule.packed_tile`), so the cost follows
+the sum of ``N_i * M_i``, never ``B * max(N)^2``. Validation happens here, before anything is launched;
+this module does not import Triton.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from flashattn.api import MAX_HEAD_DIM, MIN_HEAD_DIM, check_dtype_for_device
+from flashattn.autograd import VarlenFunction
+from flashattn.ops import use_kernels
+from flashattn.problem import Problem
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_tensors(q, k, v):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3:
+            layout = "(total_q, Hq, D)" if name == "q" else "(total_k, Hkv, D)"
+            raise ValueError(f"{name} must be 3-D {layout}, got shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (total_k, Hkv, D), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    _, h_q, d = q.shape
+    _, h_kv, d_k = k.shape
+    if d_k != d:
+        raise ValueError(f"k and v must have the head dim D of q ({d}), got {d_k}")
+    if h_q == 0 or h_kv == 0 or h_q % h_kv != 0:
+        raise ValueError(f"the number of query heads ({h_q}) must be a positive multiple of the number of "
+                         f"key/value heads of k and v ({h_kv})")
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim D of q, k, v must be between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}, got {d}")
+    check_dtype_for_device(q, "q, k, v")
+
+
+def _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """Everything that the shapes, dtypes and devices tell, without reading a value."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{name} must be 1-D with B + 1 >= 2 entries (0, then the cumulative lengths), "
+                             f"got shape {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on the device of q ({q.device}), got {cu.device}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one entry per sequence boundary each (B + 1), "
+                         f"got {cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not _is_int(value):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def _check_cu_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """The checks that need the values: starts at 0, never decreases, ends at the total, and no sequence
+    longer than its max_seqlen. Computed with torch ops on the tensors' device and read back at once:
+    one host sync for a CUDA tensor (none on the CPU)."""
+    facts = []
+    for cu, total, longest in ((cu_seqlens_q, q.shape[0], max_seqlen_q), (cu_seqlens_k, k.shape[0], max_seqlen_k)):
+        lengths = cu[1:] - cu[:-1]
+        facts += [cu[0], lengths.min(), cu[-1], lengths.max()]
+    first_q, shortest_q, last_q, longest_q, first_k, shortest_k, last_k, longest_k = torch.stack(facts).tolist()
+    for name, side, first, shortest, last, longest, total, bound in (
+        ("cu_seqlens_q", "q", first_q, shortest_q, last_q, longest_q, q.shape[0], max_seqlen_q),
+        ("cu_seqlens_k", "k", first_k, shortest_k, last_k, longest_k, k.shape[0], max_seqlen_k),
+    ):
+        if first != 0:
+            raise ValueError(f"{name} must start at 0, got {first}")
+        if shortest < 0:
+            raise ValueError(f"{name} must be non-decreasing (no negative length), got a length of {shortest}")
+        if last != total:
+            raise ValueError(f"{name} must end at the number of rows of {side} ({total}), got {last}")
+        if longest > bound:
+            raise ValueError(f"max_seqlen_{side} ({bound}) is smaller than the longest sequence of {name} ({longest})")
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                     causal: bool = False, scale: float | None = None, return_lse: bool = False,
+                     validate: bool = True):
+    """Attention over packed sequences of different lengths, with no padding.
+
+    Args:
+        q: (total_q, Hq, D), the sequences' queries one after the other; any strides with a dense last
+            dim are read in place (e.g. a slice of a packed qkv tensor).
+        k: (total_k, Hkv, D), with ``Hq % Hkv == 0`` (grouped-query attention).
+        v: values, same shape as ``k``.
+        cu_seqlens_q: int32, shape (B + 1,), on the device of q: 0, then the cumulative lengths, so
+            sequence ``i`` holds rows ``cu_seqlens_q[i] : cu_seqlens_q[i + 1]`` of q. Zero-length
+            sequences are allowed on either side (a query with no key gets o = 0, lse = -inf).
+        cu_seqlens_k: the same for k and v, with as many entries as ``cu_seqlens_q``.
+        max_seqlen_q: the longest query sequence (picks the launch configuration).
+        max_seqlen_k: the longest key sequence.
+        causal: bottom-right aligned within each sequence: query ``i`` of a sequence with ``N_i``
+            queries and ``M_i`` keys sees key ``j`` when ``j <= i + M_i - N_i``.
+        scale: softmax scale; ``1 / sqrt(D)`` when None.
+        return_lse: also return the natural-log log-sum-exp of each row, (Hq, total_q) float32 (the
+            layout of ``flash_attn_varlen_func``), differentiable like :func:`flashattn.attention`'s.
+        validate: check the values of cu_seqlens (start 0, non-decreasing, end at the totals, lengths
+            at most max_seqlen). On the CPU they are always checked; for CUDA tensors the check costs
+            one host sync, so a caller that builds cu_seqlens itself can pass ``validate=False``.
+            Skipped under ``torch.compile`` (the values are not known while tracing).
+
+    Returns:
+        ``o`` (total_q, Hq, D) in q's dtype, or ``(o, lse)`` with ``return_lse``.
+
+    CUDA tensors (float16, bfloat16) run the Triton kernels; CPU tensors run
+    :func:`flashattn.reference.varlen_attention` (float16/bfloat16 in float32), or the kernels under
+    ``TRITON_INTERPRET=1``.
+    """
+    _check_tensors(q, k, v)
+    _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    for name, flag in (("causal", causal), ("return_lse", return_lse), ("validate", validate)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+        if not math.isfinite(scale) or scale < 0:
+            raise ValueError(f"scale must be finite and non-negative, got {scale}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    compiling = torch.compiler.is_compiling()
+    if not compiling and (validate or q.device.type == "cpu"):
+        _check_cu_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if compiling:
+        o, lse = torch.ops.flashattn.attention_varlen_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
+    else:
+        problem = Problem.packed(q, k, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, causal, scale)
+        o, lse = VarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, use_kernels(q))
+    return (o, lse) if return_lse else o
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes=None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table=None,
+):
+    """Drop-in for ``flash_attn.flash_attn_varlen_func``: the same packed layout and argument names.
+
+    q (total_q, Hq, D), k and v (total_k, Hkv, D), int32 ``cu_seqlens`` of B + 1 entries. Options
+    flashattn does not implement yet (``dropout_p`` other than 0, a ``window_size`` other than
+    (-1, -1), ``softcap``, ``alibi_slopes``, ``block_table``) raise ``NotImplementedError``. The
+    kernels are always deterministic, so ``deterministic`` has no effect. With ``return_attn_probs``
+    the result is ``(out, softmax_lse, None)``, the LSE (Hq, total_q); the probabilities are never
+    materialized.
+    """
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout_p must be 0.0: flashattn's varlen path has no dropout yet, got {dropout_p}")
+    if tuple(window_size) != (-1, -1):
+        raise NotImplementedError(f"window_size must be (-1, -1): no sliding window yet, got {tuple(window_size)}")
+    if softcap != 0.0:
+        raise NotImplementedError(f"softcap must be 0.0: no softcapping yet, got {softcap}")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes must be None: no ALiBi yet")
+    if block_table is not None:
+        raise NotImplementedError("block_table must be None: a paged KV cache is flashattn.attention_with_kvcache's")
+    out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                scale=softmax_scale, return_lse=True)
+    return (out, lse, None) if return_attn_probs else out
