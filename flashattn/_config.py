@@ -269,7 +269,10 @@ def plan_for(kernel: str, problem: Problem, device: torch.device, cfg: KernelCon
         n_blocks, heads = -(-problem.n // cfg.block_m), problem.heads_q
     group = heads_per_group((n_blocks, problem.batch * heads), device, problem.causal)
     constexprs = dict(CAUSAL=problem.causal, HEAD_DIM=problem.head_dim, BLOCK_D=problem.block_d,
-                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      # the variants (flashattn._triton.variant_constexprs), all False for plain attention
+                      HAS_WINDOW=problem.window is not None, SOFTCAP=problem.softcap > 0,
+                      ALIBI=problem.alibi, DROPOUT=problem.dropout_p > 0)
     return Plan(cfg, n_blocks, n_blocks * problem.batch * heads, group, constexprs, cfg.options())
 
 

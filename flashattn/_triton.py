@@ -87,7 +87,7 @@ def tile_mask(rows, cols, N_CTX_Q, N_CTX_K, win_left, win_right, CAUSAL: tl.cons
 def tanh(x):
     """tanh from one exp2: (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1], so nothing overflows
     for any finite x, and the sign comes back last. Absolute error a few float32 ulps of 1."""
-    e = tl.exp2((-2.0 * LOG2E) * tl.abs(x))
+    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
 
@@ -157,6 +157,23 @@ def program_tile(n_blocks, heads_per_group, LONGEST_FIRST: tl.constexpr):
         block = n_blocks - 1 - rank
     return block, i_bh
 # --8<-- [end:program-tile]
+
+
+def variant_args(problem, alibi_slopes, seed: int, dummy: torch.Tensor) -> tuple:
+    """The kernels' arguments for the variants, in their order: the window's (left, right), the
+    softcap's two factors, the ALiBi slopes (pointer and batch stride), the dropout seed as two
+    31-bit halves, its threshold and 1 / (1 - p). A variant that is off passes harmless values that
+    its compiled-out code never reads (``dummy`` stands in for the slopes)."""
+    p = problem
+    left, right = p.window if p.window is not None else (0, 0)
+    if p.alibi:
+        slopes, stride_b = alibi_slopes, (alibi_slopes.shape[-1] if alibi_slopes.dim() == 2 else 0)
+    else:
+        slopes, stride_b = dummy, 0
+    seed = int(seed) if p.dropout_p > 0 else 0
+    inv_keep = 1.0 / (1.0 - p.dropout_p)
+    return (left, right, p.softcap_in, p.softcap_out, slopes, stride_b,
+            seed & (2**31 - 1), seed >> 31, p.dropout_threshold, inv_keep)
 
 
 def interpreter_needs_float32(x: torch.Tensor) -> bool:
