@@ -268,7 +268,10 @@ def plan_for(kernel: str, problem: Problem, device: torch.device, cfg: KernelCon
     else:  # one program per query block of a query head
         n_blocks, heads = -(-problem.n // cfg.block_m), problem.heads_q
     constexprs = dict(CAUSAL=problem.causal, HEAD_DIM=problem.head_dim, BLOCK_D=problem.block_d,
-                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=problem.varlen)
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      # the variants (flashattn._triton.variant_constexprs), all False for plain attention
+                      HAS_WINDOW=problem.window is not None, SOFTCAP=problem.softcap > 0,
+                      ALIBI=problem.alibi, DROPOUT=problem.dropout_p > 0, VARLEN=problem.varlen)
     if problem.varlen:
         # Packed sequences: one program per tile of the packed rows of a head, and one spare per
         # sequence, since sum_i cdiv(n_i, block) <= cdiv(total, block) + n_seqs - 1 is a bound the host

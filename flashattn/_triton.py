@@ -7,6 +7,7 @@ Importing this module imports Triton, but touches no GPU and no driver.
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -73,7 +74,76 @@ backward_query_range = device_fn(schedule.backward_query_range)
 launch_order = device_fn(schedule.launch_order)
 sequence_of_tile = device_fn(schedule.sequence_of_tile)
 packed_tile = device_fn(schedule.packed_tile)
+in_window = device_fn(schedule.in_window)
+window_key_range = device_fn(schedule.window_key_range)
+window_dq_key_range = device_fn(schedule.window_dq_key_range)
+window_query_range = device_fn(schedule.window_query_range)
 # --8<-- [end:device-schedule]
+
+
+@triton.jit
+def tile_mask(rows, cols, N_CTX_Q, N_CTX_K, win_left, win_right, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The schedule's visibility test, with the window's when there is one."""
+    mask = visible(rows, cols, N_CTX_Q, N_CTX_K, CAUSAL)
+    if HAS_WINDOW:
+        mask = mask & in_window(rows, cols, N_CTX_Q, N_CTX_K, win_left, win_right)
+    return mask
+
+
+@triton.jit
+def tanh(x):
+    """tanh from one exp2: (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1], so nothing overflows
+    for any finite x, and the sign comes back last. Absolute error a few float32 ulps of 1."""
+    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+# --8<-- [start:score-mods]
+@triton.jit
+def score_mods(qk, rows, cols, N_CTX_Q, N_CTX_K, qk_scale, cap_in, cap_out, slope2,
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Base-2 scores of a tile of raw products q . k, and the tanh the softcap backward needs.
+
+    Plain: s = c q.k with c = scale * log2(e). Softcap: the natural score scale * q.k becomes
+    cap * tanh(scale * q.k / cap), so t = tanh(q.k * cap_in) with ``cap_in = scale / cap`` and
+    s = t * cap_out with ``cap_out = cap * log2(e)``. ALiBi then adds -slope * |i + M - N - j|
+    (``slope2`` is the head's slope times log2(e)): after the cap, as in the definition. ``rows``
+    and ``cols`` broadcast to the tile ([R, 1] and [1, C], or transposed in the dK/dV loop). The
+    returned ``t`` is meaningful only with SOFTCAP.
+    """
+    if SOFTCAP:
+        t = tanh(qk * cap_in)
+        s = t * cap_out
+    else:
+        t = qk
+        s = qk * qk_scale
+    if ALIBI:
+        distance = tl.abs(rows + (N_CTX_K - N_CTX_Q) - cols).to(tl.float32)
+        s = s - slope2 * distance
+    return s, t
+# --8<-- [end:score-mods]
+
+
+# --8<-- [start:dropout-mask]
+@triton.jit
+def dropout_keep(seed_lo, seed_hi, i_bh, rows, cols, threshold):
+    """Which entries of a tile of P survive dropout: a pure function of (seed, b * Hq + h, i, j).
+
+    One Philox-4x32-10 draw per entry (Triton's ``tl.philox``), keyed by the 62-bit seed (passed as
+    two 31-bit halves, so every launch has the same argument types) and counted by three separate
+    32-bit words: the key index ``j``, the query index ``i`` and ``b * Hq + h``. No word ever wraps,
+    whatever B * H * N * M is. An entry is dropped when the top 31 bits of the first output word fall
+    below ``threshold = floor(p * 2^31)``, i.e. with probability p. ``rows``/``cols`` broadcast to
+    the tile, in either orientation: the same (i, j) gives the same bit in every kernel.
+    """
+    seed = (seed_hi.to(tl.int64) << 31) | seed_lo.to(tl.int64)
+    c0 = (cols + rows * 0).to(tl.uint32)  # every counter word spans the whole tile
+    c1 = (rows + cols * 0).to(tl.uint32)
+    c2 = (c0 * 0 + i_bh).to(tl.uint32)
+    r0, _, _, _ = tl.philox(seed, c0, c1, c2, c2 * 0)
+    return (r0 >> 1).to(tl.int32, bitcast=True) >= threshold
+# --8<-- [end:dropout-mask]
 
 
 # --8<-- [start:program-tile]
@@ -94,6 +164,23 @@ def program_tile(n_blocks, heads_per_group, LONGEST_FIRST: tl.constexpr):
         block = n_blocks - 1 - rank
     return block, i_bh
 # --8<-- [end:program-tile]
+
+
+def variant_args(problem, alibi_slopes, seed: int, dummy: torch.Tensor) -> tuple:
+    """The kernels' arguments for the variants, in their order: the window's (left, right), the
+    softcap's two factors, the ALiBi slopes (pointer and batch stride), the dropout seed as two
+    31-bit halves, its threshold and 1 / (1 - p). A variant that is off passes harmless values that
+    its compiled-out code never reads (``dummy`` stands in for the slopes)."""
+    p = problem
+    left, right = p.window if p.window is not None else (0, 0)
+    if p.alibi:
+        slopes, stride_b = alibi_slopes, (alibi_slopes.shape[-1] if alibi_slopes.dim() == 2 else 0)
+    else:
+        slopes, stride_b = dummy, 0
+    seed = int(seed) if p.dropout_p > 0 else 0
+    inv_keep = 1.0 / (1.0 - p.dropout_p)
+    return (left, right, p.softcap_in, p.softcap_out, slopes, stride_b,
+            seed & (2**31 - 1), seed >> 31, p.dropout_threshold, inv_keep)
 
 
 def interpreter_needs_float32(x: torch.Tensor) -> bool:
@@ -166,14 +253,24 @@ _COMPILED: dict = {}  # launch signature -> the kernel Triton compiled for it
 _FAST_LAUNCH = [True]  # cleared for good if this Triton cannot launch a compiled kernel directly
 
 
+@functools.lru_cache(maxsize=None)
+def _unspecialized(kernel) -> frozenset:
+    """Positions of the arguments ``kernel`` was told not to specialize on (a dropout seed, which
+    changes every call): their values must not key the cache of compiled kernels either."""
+    return frozenset(p.num for p in getattr(kernel, "params", ()) if getattr(p, "do_not_specialize", False))
+
+
 def _signature(kernel, args: tuple, constexprs: dict, options: dict) -> tuple:
     """Everything Triton's specialization of ``kernel`` can depend on, and more: the value of every
     integer, the dtype, strides and 16-byte alignment of every tensor (and of every descriptor's
     tensor, with its block shape), the constexprs, the options and the device."""
     key = [kernel, torch.cuda.current_device(), *constexprs.values(), *options.values()]
-    for a in args:
+    unspecialized = _unspecialized(kernel)
+    for index, a in enumerate(args):
         kind = type(a)
-        if kind is int:
+        if kind is int and index in unspecialized:
+            key.append(-2**31 <= a < 2**31)  # only the integer's width reaches the compiled kernel
+        elif kind is int:
             key.append(a)
         elif kind is float:
             key.append(float)  # floats are never specialized on their value

@@ -80,7 +80,69 @@ def _autocast(q, k, v):
     return cast(q), cast(k), cast(v)
 
 
-def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False):
+MAX_SEED = 2**62  # the kernels take the dropout seed as two 31-bit halves
+
+
+def _check_variants(q, window, softcap, alibi_slopes, dropout_p, generator, seed):
+    """Validate the variants' arguments; returns the window as a tuple (or None) and softcap as a float."""
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(f"window must be a (left, right) pair of ints or None, got {window!r}")
+        for side, w in zip(("left", "right"), window):
+            if w is None:
+                continue
+            if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+                raise TypeError(f"window {side} must be an int >= 0 or None (unbounded), got {type(w).__name__}")
+            if w < 0:
+                raise ValueError(f"window {side} must be >= 0 (None for unbounded), got {w}")
+        window = tuple(None if w is None else int(w) for w in window)
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+            raise TypeError(f"softcap must be a real number or None, got {type(softcap).__name__}")
+        if not math.isfinite(softcap) or softcap < 0:
+            raise ValueError(f"softcap must be finite and >= 0 (0 or None: off), got {softcap}")
+    softcap = float(softcap or 0.0)
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(f"alibi_slopes must be a torch.Tensor, got {type(alibi_slopes).__name__}")
+        if alibi_slopes.dtype != torch.float32:
+            raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+        b, h_q = q.shape[0], q.shape[1]
+        if tuple(alibi_slopes.shape) not in ((h_q,), (b, h_q)):
+            raise ValueError(f"alibi_slopes must have shape (Hq,) = ({h_q},) or (B, Hq) = ({b}, {h_q}), "
+                             f"got {tuple(alibi_slopes.shape)}")
+        if alibi_slopes.device != q.device:
+            raise ValueError(f"alibi_slopes must be on q's device {q.device}, got {alibi_slopes.device}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        if not 0 <= seed < MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**62), got {seed}")
+        if generator is not None:
+            raise ValueError("pass either a generator or a seed for dropout, not both")
+    return window, softcap
+
+
+def _dropout_seed(dropout_p, generator, seed) -> int:
+    """The seed of this call's dropout mask: ``seed`` itself, or one draw from ``generator`` (torch's
+    default CPU generator when None, so ``torch.manual_seed`` makes a run repeatable)."""
+    if dropout_p == 0:
+        return 0
+    if seed is not None:
+        return int(seed)
+    device = generator.device if generator is not None else "cpu"
+    return int(torch.randint(0, MAX_SEED, (), generator=generator, device=device, dtype=torch.int64))
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
+              window=None, softcap: float | None = None, alibi_slopes=None, dropout_p: float = 0.0,
+              generator=None, seed: int | None = None):
     """Scaled dot-product attention, FlashAttention style: O(N) extra memory, exact result.
 
     Args:
@@ -94,6 +156,24 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
         return_lse: also return the natural-log log-sum-exp of each score row, shape (B, Hq, N),
             float32 (float64 for float64 inputs). It is differentiable: a loss that uses it sends
             dLSE_i * P_ij back to each score (what merging partial results needs).
+        window: ``(left, right)`` sliding window: query ``i`` sees key ``j`` when
+            ``i + M - N - left <= j <= i + M - N + right`` (bottom-right aligned like ``causal``;
+            ``None`` on a side is unbounded). With ``causal=True`` the right side is at most 0. Key
+            blocks wholly outside the window are never visited. A query whose window holds no key
+            gets output 0, LSE -inf and zero gradient.
+        softcap: ``c > 0`` caps each score s = scale * q . k to ``c * tanh(s / c)`` before the
+            softmax (Gemma 2); 0 or None is off.
+        alibi_slopes: float32 tensor (Hq,) or (B, Hq) on q's device: ``-slope * |i + M - N - j|`` is
+            added to each (capped) score. The slopes get no gradient.
+        dropout_p: probability of zeroing each entry of the softmax P before ``P V``; kept entries
+            are scaled by ``1 / (1 - dropout_p)``, the LSE is that of the undropped scores. The mask is
+            a pure function of the seed and (batch, head, i, j): the backward draws it again, and the
+            same seed gives bitwise the same outputs and gradients. No train/eval switch: pass 0 to
+            turn it off.
+        generator: ``torch.Generator`` to draw the dropout seed from (one draw per call); torch's
+            default CPU generator when None and no ``seed`` is given.
+        seed: the dropout seed itself, an int in [0, 2**62); excludes ``generator``. Under
+            ``torch.compile``, dropout needs an explicit ``seed``.
 
     Returns:
         ``o`` of the shape and dtype of ``q``, or ``(o, lse)`` when ``return_lse`` is set.
@@ -109,13 +189,25 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     _check_inputs(q, k, v, causal, scale)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    window, softcap = _check_variants(q, window, softcap, alibi_slopes, dropout_p, generator, seed)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    dropout_p = float(dropout_p)
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.detach().contiguous()
     if torch.compiler.is_compiling():
-        o, lse = torch.ops.flashattn.attention_forward(q, k, v, causal, scale)
+        if dropout_p > 0 and seed is None:
+            raise ValueError("under torch.compile, dropout needs an explicit seed= (a generator cannot be traced)")
+        left, right = window if window is not None else (None, None)
+        o, lse = torch.ops.flashattn.attention_forward(
+            q, k, v, causal, scale, -1 if left is None else left, -1 if right is None else right, softcap,
+            alibi_slopes, dropout_p, int(seed) if dropout_p > 0 else 0)
     else:
         # Eager calls skip the operator dispatcher (tens of microseconds of a short call) and run the
         # same backends through an autograd.Function.
-        o, lse = AttentionFunction.apply(q, k, v, Problem.of(q, k, causal, scale), ops.use_kernels(q))
+        problem = Problem.of(q, k, causal, scale, window=window, softcap=softcap, alibi=alibi_slopes is not None,
+                             dropout_p=dropout_p)
+        o, lse = AttentionFunction.apply(q, k, v, problem, ops.use_kernels(q), alibi_slopes,
+                                         _dropout_seed(dropout_p, generator, seed))
     return (o, lse) if return_lse else o
 
 
@@ -127,30 +219,37 @@ def flash_attn_func(
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size=(-1, -1),
+    softcap: float = 0.0,
     alibi_slopes=None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    generator=None,
 ):
     """Drop-in for ``flash_attn.flash_attn_func``: tensors are (B, N, H, D) instead of (B, H, N, D).
 
-    Only the features flashattn implements are accepted: ``dropout_p`` must be 0, ``window_size``
-    (-1, -1) and ``alibi_slopes`` None. The kernels are always deterministic, so ``deterministic`` is
-    accepted and has no effect. With ``return_attn_probs`` the result is ``(out, softmax_lse, None)``,
-    the LSE shaped (B, H, N); flashattn never materializes the probabilities.
+    The arguments mean what they mean in FlashAttention 2: ``window_size = (left, right)`` with -1
+    (any negative value) for an unbounded side, ``softcap`` 0 for off, ``alibi_slopes`` float32 (H,)
+    or (B, H), ``dropout_p`` drawn with ``generator`` (torch's default CPU generator when None; pass
+    ``dropout_p=0.0`` at evaluation). See :func:`attention` for each. The kernels are always
+    deterministic, so ``deterministic`` is accepted and has no effect. With ``return_attn_probs`` the
+    result is ``(out, softmax_lse, None)``, the LSE shaped (B, H, N); flashattn never materializes
+    the probabilities.
     """
-    if dropout_p != 0.0:
-        raise ValueError(f"dropout_p must be 0.0 (flashattn has no dropout), got {dropout_p}")
-    if tuple(window_size) != (-1, -1):
-        raise ValueError(f"window_size must be (-1, -1) (no sliding window), got {tuple(window_size)}")
-    if alibi_slopes is not None:
-        raise ValueError("alibi_slopes must be None (flashattn has no ALiBi)")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{name} must be a 4-D tensor (B, N, H, D), got {shape}")
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a (left, right) pair, -1 for unbounded, got {window_size!r}")
+    for w in window_size:
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            raise TypeError(f"window_size must hold ints (-1 for unbounded), got {window_size!r}")
+    window = tuple(None if w < 0 else int(w) for w in window_size)
     # (B, N, H, D) viewed as (B, H, N, D): a transpose, no copy; the kernels take any strides.
     out, lse = attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=softmax_scale, return_lse=True
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=softmax_scale, return_lse=True,
+        window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, generator=generator,
     )
     out = out.transpose(1, 2)
     return (out, lse, None) if return_attn_probs else out

@@ -14,41 +14,51 @@ from flashattn import _config, reference
 from flashattn.problem import Problem
 
 
-def _reference_forward(q, k, v, problem: Problem):
-    return reference.online_forward(q, k, v, problem.causal, problem.scale)
+def _variants(problem: Problem, alibi_slopes, seed) -> dict:
+    """The reference's keyword arguments for the problem's variants."""
+    return dict(window=problem.window, softcap=problem.softcap, alibi_slopes=alibi_slopes if problem.alibi else None,
+                dropout_p=problem.dropout_p, seed=seed if problem.dropout_p > 0 else None)
 
 
-def _reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None):
-    return reference.online_backward(do, q, k, v, o, lse, problem.causal, problem.scale, dlse=dlse)
+def _reference_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0):
+    return reference.online_forward(q, k, v, problem.causal, problem.scale,
+                                    **_variants(problem, alibi_slopes, seed))
 
 
-def _kernel_forward(q, k, v, problem: Problem, packing=None):
+def _reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0):
+    return reference.online_backward(do, q, k, v, o, lse, problem.causal, problem.scale, dlse=dlse,
+                                     **_variants(problem, alibi_slopes, seed))
+
+
+def _kernel_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, packing=None):
     # Imported late: importing triton costs time, and a CPU-only user never needs it.
     from flashattn.forward import attention_forward
 
     if q.is_cuda:  # Triton launches on the current device: make it the inputs' device
         with torch.cuda.device(q.device):
-            return attention_forward(q, k, v, problem, packing)
-    return attention_forward(q, k, v, problem, packing)
+            return attention_forward(q, k, v, problem, alibi_slopes, seed, packing)
+    return attention_forward(q, k, v, problem, alibi_slopes, seed, packing)
 
 
-def _kernel_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, packing=None):
+def _kernel_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
+                     packing=None):
     from flashattn.backward import attention_backward
 
     if q.is_cuda:
         with torch.cuda.device(q.device):
-            return attention_backward(do, q, k, v, o, lse, problem, dlse, packing)
-    return attention_backward(do, q, k, v, o, lse, problem, dlse, packing)
+            return attention_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed, packing)
+    return attention_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed, packing)
 
 
-def _varlen_reference_forward(q, k, v, problem: Problem, packing):
+def _varlen_reference_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, packing=None):
     # 16-bit CPU inputs run in float32 and round back, as the tile-by-tile reference does
     wide = q.dtype if q.dtype == torch.float64 else torch.float32
     o, lse = reference.varlen_attention(q.to(wide), k.to(wide), v.to(wide), *packing, problem.causal, problem.scale)
     return o.to(q.dtype), lse
 
 
-def _varlen_reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, packing=None):
+def _varlen_reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
+                               packing=None):
     """The tile-by-tile reference backward (:func:`flashattn.reference.online_backward`), one sequence at a
     time. Not autograd: inside a custom operator autograd does not record."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -69,10 +79,12 @@ def _varlen_reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None,
 def backend(use_kernels: bool, varlen: bool = False):
     """``(forward, backward)`` of the Triton kernels, or of the PyTorch tile-by-tile reference.
 
-    ``forward(q, k, v, problem) -> (o, lse)``;
-    ``backward(do, q, k, v, o, lse, problem, dlse=None) -> (dq, dk, dv)``. With ``varlen`` (packed
-    sequences) both take ``packing = (cu_seqlens_q, cu_seqlens_k)`` last, and the reference is
-    :func:`flashattn.reference.varlen_attention` with autograd for its backward.
+    ``forward(q, k, v, problem, alibi_slopes=None, seed=0, packing=None) -> (o, lse)``;
+    ``backward(do, q, k, v, o, lse, problem, dlse=None, alibi_slopes=None, seed=0, packing=None)
+    -> (dq, dk, dv)``. ``alibi_slopes`` matters when ``problem.alibi``, ``seed`` when
+    ``problem.dropout_p`` > 0. With ``varlen`` (packed sequences, no variants yet) both take
+    ``packing = (cu_seqlens_q, cu_seqlens_k)``, and the reference is
+    :func:`flashattn.reference.varlen_attention`.
     """
     if varlen:
         return (_kernel_forward, _kernel_backward) if use_kernels else (_varlen_reference_forward,
@@ -81,18 +93,20 @@ def backend(use_kernels: bool, varlen: bool = False):
 
 
 class AttentionFunction(torch.autograd.Function):
-    """``apply(q, k, v, problem, use_kernels) -> (o, lse)``, differentiable in both outputs.
+    """``apply(q, k, v, problem, use_kernels, alibi_slopes=None, seed=0) -> (o, lse)``, differentiable in
+    q, k, v through both outputs (the ALiBi slopes get no gradient).
 
     ``use_kernels`` picks the Triton kernels (GPU, or CPU under ``TRITON_INTERPRET=1``) or the
-    reference, whose backward is the explicit online backward, not autograd through its loops.
+    reference, whose backward is the explicit online backward, not autograd through its loops. The
+    dropout seed is kept for the backward, which draws the same mask again.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, problem: Problem, use_kernels: bool):
+    def forward(ctx, q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=None, seed: int = 0):
         forward, _ = backend(use_kernels)
-        o, lse = forward(q, k, v, problem)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.problem, ctx.use_kernels = problem, use_kernels
+        o, lse = forward(q, k, v, problem, alibi_slopes, seed)
+        ctx.save_for_backward(q, k, v, o, lse, alibi_slopes)
+        ctx.problem, ctx.use_kernels, ctx.seed = problem, use_kernels, seed
         ctx.tuning = _config.current_tuning()  # the backward may run on another thread
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
         return o, lse
@@ -100,12 +114,12 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         _, backward = backend(ctx.use_kernels)
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, alibi_slopes = ctx.saved_tensors
         if do is None:  # only the LSE was used
             do = torch.zeros_like(o)
         with _config.tuning_of(ctx.tuning):
-            dq, dk, dv = backward(do, q, k, v, o, lse, ctx.problem, dlse)
-        return dq, dk, dv, None, None
+            dq, dk, dv = backward(do, q, k, v, o, lse, ctx.problem, dlse, alibi_slopes, ctx.seed)
+        return dq, dk, dv, None, None, None, None
 
 
 class VarlenFunction(torch.autograd.Function):
@@ -116,7 +130,7 @@ class VarlenFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, problem: Problem, use_kernels: bool):
         forward, _ = backend(use_kernels, varlen=True)
-        o, lse = forward(q, k, v, problem, (cu_seqlens_q, cu_seqlens_k))
+        o, lse = forward(q, k, v, problem, packing=(cu_seqlens_q, cu_seqlens_k))
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.problem, ctx.use_kernels = problem, use_kernels
         ctx.tuning = _config.current_tuning()
@@ -130,5 +144,5 @@ class VarlenFunction(torch.autograd.Function):
         if do is None:  # only the LSE was used
             do = torch.zeros_like(o)
         with _config.tuning_of(ctx.tuning):
-            dq, dk, dv = backward(do, q, k, v, o, lse, ctx.problem, dlse, (cu_q, cu_k))
+            dq, dk, dv = backward(do, q, k, v, o, lse, ctx.problem, dlse, packing=(cu_q, cu_k))
         return dq, dk, dv, None, None, None, None

@@ -32,11 +32,17 @@ from flashattn._triton import (
     heads_first,
     interpreter_needs_float32,
     launch,
+    dropout_keep,
     packed_tile,
     program_tile,
+    score_mods,
     tile_desc,
+    tile_mask,
     tile_offsets,
+    variant_args,
     visible,
+    window_dq_key_range,
+    window_query_range,
 )
 from flashattn.problem import Problem
 
@@ -101,7 +107,9 @@ def _bwd_dkdv_inner(
     b_dk, b_dv, b_k, b_v,  #
     q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,  #
     offs_m, offs_n, lo, hi, N_CTX_Q, N_CTX_K, qk_scale,  #
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh, drop_threshold, inv_keep,  #
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,  #
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """Add the contributions of the query blocks starting in [lo, hi) to this key block's dK, dV."""
     p_lse2 += lo
@@ -113,7 +121,11 @@ def _bwd_dkdv_inner(
         # --8<-- [start:bwd-recompute-p]
         # Work with the transposes, [BLOCK_N, BLOCK_M], so every product below has the key block's
         # rows first and accumulates straight into dK and dV.
-        s_t = tl.dot(b_k, tl.trans(b_q)) * qk_scale  # base-2 scores
+        if SOFTCAP or ALIBI:
+            s_t, t_t = score_mods(tl.dot(b_k, tl.trans(b_q)), rows[None, :], offs_n[:, None], N_CTX_Q, N_CTX_K,
+                                  qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI)
+        else:
+            s_t = tl.dot(b_k, tl.trans(b_q)) * qk_scale  # base-2 scores
         b_do = do_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
         # dP^T = V dO^T, [BLOCK_N, BLOCK_M], does not need P, so it goes to the tensor cores before the
         # exponentials: the compiled loop runs some of them while this product is in flight, and the
@@ -124,14 +136,31 @@ def _bwd_dkdv_inner(
             # Rows past N are zeroed explicitly. Defensive: their Q and dO load as zeros (descriptor
             # zero-fill) and their lse2 and D as 0 (other=0.0), so P stays finite; the mask keeps a
             # padding row out of dK and dV even if a future load stopped zero-filling.
-            p_t = tl.where(visible(rows[None, :], offs_n[:, None], N_CTX_Q, N_CTX_K, CAUSAL), p_t, 0.0)
+            p_t = tl.where(tile_mask(rows[None, :], offs_n[:, None], N_CTX_Q, N_CTX_K, win_left, win_right,
+                                     CAUSAL, HAS_WINDOW), p_t, 0.0)
         # --8<-- [end:bwd-recompute-p]
-        # --8<-- [start:bwd-dv-accumulate]
-        b_dv += tl.dot(p_t.to(b_do.dtype), b_do)  # dV += P^T dO, [BLOCK_N, BLOCK_D]
-        # --8<-- [end:bwd-dv-accumulate]
-        # --8<-- [start:bwd-ds]
-        ds_t = p_t * (dp_t - b_delta[None, :])  # dS = P * (dP - D), the softmax backward
-        # --8<-- [end:bwd-ds]
+        # --8<-- [start:bwd-dropout]
+        if DROPOUT:
+            # The forward's mask, drawn again from the seed (same (i, j), transposed tile): dV takes
+            # the dropped P (its 1 / (1 - p) joins once, at the end), and dS = P * (Z * dP / (1 - p) - D)
+            # with D = rowsum(dO * O) as without dropout.
+            keep_t = dropout_keep(seed_lo, seed_hi, i_bh, rows[None, :], offs_n[:, None], drop_threshold)
+            b_dv += tl.dot(tl.where(keep_t, p_t, 0.0).to(b_do.dtype), b_do)
+            ds_t = p_t * (tl.where(keep_t, dp_t * inv_keep, 0.0) - b_delta[None, :])
+        # --8<-- [end:bwd-dropout]
+        else:
+            # --8<-- [start:bwd-dv-accumulate]
+            b_dv += tl.dot(p_t.to(b_do.dtype), b_do)  # dV += P^T dO, [BLOCK_N, BLOCK_D]
+            # --8<-- [end:bwd-dv-accumulate]
+            # --8<-- [start:bwd-ds]
+            ds_t = p_t * (dp_t - b_delta[None, :])  # dS = P * (dP - D), the softmax backward
+            # --8<-- [end:bwd-ds]
+        # --8<-- [start:softcap-grad]
+        if SOFTCAP:
+            # dS above is the gradient of the capped score cap * tanh(s / cap); the chain rule through
+            # tanh multiplies by 1 - tanh^2, with tanh recomputed above rather than stored.
+            ds_t = ds_t * (1.0 - t_t * t_t)
+        # --8<-- [end:softcap-grad]
         # --8<-- [start:bwd-dk-accumulate]
         b_dk += tl.dot(ds_t.to(b_q.dtype), b_q)  # dK += dS^T Q (scale applied once, at the end)
         # --8<-- [end:bwd-dk-accumulate]
@@ -142,15 +171,18 @@ def _bwd_dkdv_inner(
 
 
 # --8<-- [start:bwd-dkdv-kernel]
-@triton.jit
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
 def _bwd_dkdv_kernel(
     q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DK, DV,  #
     stride_dkb, stride_dkh, stride_dkn,  #
     stride_dvb, stride_dvh, stride_dvn,  #
     H_Q, H_KV, GROUP, N_CTX_Q, N_CTX_K, qk_scale, scale, N_BLOCKS, HEADS_PER_GROUP,  #
     CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, N_SEQS,  #
+    win_left, win_right, cap_in, cap_out, SLOPES, stride_slope_b, seed_lo, seed_hi, drop_threshold, inv_keep,  #
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     # key block, batch * key/value head; causal: the first key block is seen by the most rows
     i_n, i_bh = program_tile(N_BLOCKS, HEADS_PER_GROUP, False)
@@ -182,14 +214,19 @@ def _bwd_dkdv_kernel(
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     # The mirror of the forward schedule: query blocks in [lo, full_start) straddle the diagonal,
-    # [full_start, full_end) see the whole key block, [full_end, N) is the ragged last query block;
-    # a ragged key block masks every tile (its padded keys must stay out of dS).
-    lo, full_start, full_end = backward_query_range(start_n, BLOCK_M, BLOCK_N, N_CTX_Q, N_CTX_K, CAUSAL)
-    q_end = N_CTX_Q
+    # [full_start, full_end) see the whole key block, [full_end, hi) is the ragged last query block
+    # (hi = N) or, under a window, the blocks that cross its left edge; a ragged key block masks
+    # every tile (its padded keys must stay out of dS).
+    if HAS_WINDOW:
+        lo, full_start, full_end, hi = window_query_range(start_n, BLOCK_M, BLOCK_N, N_CTX_Q, N_CTX_K,
+                                                          win_left, win_right)
+    else:
+        lo, full_start, full_end = backward_query_range(start_n, BLOCK_M, BLOCK_N, N_CTX_Q, N_CTX_K, CAUSAL)
+        hi = N_CTX_Q
     if VARLEN:
         # The loops walk q's packed rows from the sequence's first query (and lse2, D with them);
         # offs_m shifted back by as much keeps each row index (start_m + offs_m) local for the masks.
-        lo, full_start, full_end, q_end = lo + q_start, full_start + q_start, full_end + q_start, q_end + q_start
+        lo, full_start, full_end, hi = lo + q_start, full_start + q_start, full_end + q_start, hi + q_start
         offs_m -= q_start
         # lse2 and D are indexed by packed row, as start_m now is: cancel the shift of offs_m there
         LSE2 += q_start
@@ -200,17 +237,29 @@ def _bwd_dkdv_kernel(
         row0 = (i_b.to(tl.int64) * H_Q + i_hq) * lse_rows  # lse2 and D: fresh contiguous (B, Hq, N) or (Hq, total_q)
         p_lse2 = LSE2 + row0 + offs_m
         p_delta = DELTA + row0 + offs_m
+        i_bhq = i_b * H_Q + i_hq  # the dropout mask's head counter
+        slope2 = 0.0
+        if ALIBI:
+            slope2 = tl.load(SLOPES + i_b * stride_slope_b + i_hq) * LOG2E
         b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
                                      offs_m, offs_n, lo, full_start, N_CTX_Q, N_CTX_K, qk_scale,
-                                     True, CAUSAL, BLOCK_M, BLOCK_D)
+                                     win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bhq,
+                                     drop_threshold, inv_keep,
+                                     True, CAUSAL, BLOCK_M, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
         b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
                                      offs_m, offs_n, full_start, full_end, N_CTX_Q, N_CTX_K, qk_scale,
-                                     False, CAUSAL, BLOCK_M, BLOCK_D)
+                                     win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bhq,
+                                     drop_threshold, inv_keep,
+                                     False, CAUSAL, BLOCK_M, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
         b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
-                                     offs_m, offs_n, full_end, q_end, N_CTX_Q, N_CTX_K, qk_scale,
-                                     True, CAUSAL, BLOCK_M, BLOCK_D)
+                                     offs_m, offs_n, full_end, hi, N_CTX_Q, N_CTX_K, qk_scale,
+                                     win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bhq,
+                                     drop_threshold, inv_keep,
+                                     True, CAUSAL, BLOCK_M, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
 
     b_dk *= scale  # S = scale * Q K^T, so dK = scale * dS^T Q
+    if DROPOUT:
+        b_dv *= inv_keep  # dV = (Z * P / (1 - p))^T dO: the kept entries' scale, applied once
     rows = tl.arange(0, BLOCK_N)[:, None]  # 64-bit bases, 32-bit offsets inside the tile
     p_dk = DK + i_b.to(tl.int64) * stride_dkb + i_hkv.to(tl.int64) * stride_dkh + k_row.to(tl.int64) * stride_dkn \
         + rows * stride_dkn + offs_d[None, :]
@@ -227,19 +276,32 @@ def _bwd_dkdv_kernel(
 def _bwd_dq_inner(
     b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv,  #
     offs_m, offs_n, lo, hi, N_CTX_Q, N_CTX_K, qk_scale,  #
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh, drop_threshold, inv_keep,  #
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,  #
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """Add the contributions of the key blocks starting in [lo, hi) to this query block's dQ."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n  # [BLOCK_N]
         b_k = k_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
         b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(b_q, tl.trans(b_k)) * qk_scale  # [BLOCK_M, BLOCK_N], base 2
+        if SOFTCAP or ALIBI:
+            s, t = score_mods(tl.dot(b_q, tl.trans(b_k)), offs_m[:, None], cols[None, :], N_CTX_Q, N_CTX_K,
+                              qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI)
+        else:
+            s = tl.dot(b_q, tl.trans(b_k)) * qk_scale  # [BLOCK_M, BLOCK_N], base 2
         dp = tl.dot(b_do, tl.trans(b_v))  # dP = dO V^T, [BLOCK_M, BLOCK_N], before the exponentials too
         p = tl.exp2(s - b_lse2[:, None])
         if MASKED:
-            p = tl.where(visible(offs_m[:, None], cols[None, :], N_CTX_Q, N_CTX_K, CAUSAL), p, 0.0)
-        ds = p * (dp - b_delta[:, None])  # dS = P * (dP - D)
+            p = tl.where(tile_mask(offs_m[:, None], cols[None, :], N_CTX_Q, N_CTX_K, win_left, win_right,
+                                   CAUSAL, HAS_WINDOW), p, 0.0)
+        if DROPOUT:
+            keep = dropout_keep(seed_lo, seed_hi, i_bh, offs_m[:, None], cols[None, :], drop_threshold)
+            ds = p * (tl.where(keep, dp * inv_keep, 0.0) - b_delta[:, None])  # dS = P * (Z dP / (1 - p) - D)
+        else:
+            ds = p * (dp - b_delta[:, None])  # dS = P * (dP - D)
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)  # through the softcap's tanh (softcap-grad)
         # --8<-- [start:bwd-dq-accumulate]
         b_dq += tl.dot(ds.to(b_k.dtype), b_k)  # dQ += dS K (scale applied once, at the end)
         # --8<-- [end:bwd-dq-accumulate]
@@ -248,14 +310,17 @@ def _bwd_dq_inner(
 
 
 # --8<-- [start:bwd-dq-kernel]
-@triton.jit
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
 def _bwd_dq_kernel(
     q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DQ,  #
     stride_dqb, stride_dqh, stride_dqn,  #
     H_Q, GROUP, N_CTX_Q, N_CTX_K, qk_scale, scale, N_BLOCKS, HEADS_PER_GROUP,  #
     CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, N_SEQS,  #
+    win_left, win_right, cap_in, cap_out, SLOPES, stride_slope_b, seed_lo, seed_hi, drop_threshold, inv_keep,  #
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     # query block, batch * query head; causal: the longest key walks first, as in the forward
     i_m, i_bh = program_tile(N_BLOCKS, HEADS_PER_GROUP, CAUSAL)
@@ -285,18 +350,39 @@ def _bwd_dq_kernel(
     b_do = do_desc.load([i_b, i_hq, q_row, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
     b_lse2, b_delta = _load_row_stats(LSE2 + row0 + offs_m, DELTA + row0 + offs_m, mask_m, True)
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(SLOPES + i_b * stride_slope_b + i_hq) * LOG2E
 
-    # The forward's key walk; a ragged last query block masks every tile (the schedule's dq_key_range).
-    full_end, hi = dq_key_range(start_m, BLOCK_M, BLOCK_N, N_CTX_Q, N_CTX_K, CAUSAL)
-    lo = 0
+    if HAS_WINDOW:
+        # The forward's window walk; a ragged last query block masks every tile.
+        lo, full_start, full_end, hi = window_dq_key_range(start_m, BLOCK_M, BLOCK_N, N_CTX_Q, N_CTX_K,
+                                                           win_left, win_right)
+    else:
+        # The forward's key walk; a ragged last query block masks every tile (the schedule's dq_key_range).
+        full_end, hi = dq_key_range(start_m, BLOCK_M, BLOCK_N, N_CTX_Q, N_CTX_K, CAUSAL)
+        lo = 0
+        full_start = 0
     if VARLEN:  # k's packed rows from the sequence's first key, key indices local (as in the forward)
-        lo, full_end, hi = k_start, k_start + full_end, k_start + hi
+        lo, full_start, full_end, hi = lo + k_start, full_start + k_start, full_end + k_start, hi + k_start
         offs_n -= k_start
 
+    if HAS_WINDOW:
+        b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
+                             lo, full_start, N_CTX_Q, N_CTX_K, qk_scale,
+                             win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh,
+                             drop_threshold, inv_keep,
+                             True, CAUSAL, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
     b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
-                         lo, full_end, N_CTX_Q, N_CTX_K, qk_scale, False, CAUSAL, BLOCK_N, BLOCK_D)
+                         full_start, full_end, N_CTX_Q, N_CTX_K, qk_scale,
+                         win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh,
+                         drop_threshold, inv_keep,
+                         False, CAUSAL, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
     b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
-                         full_end, hi, N_CTX_Q, N_CTX_K, qk_scale, True, CAUSAL, BLOCK_N, BLOCK_D)
+                         full_end, hi, N_CTX_Q, N_CTX_K, qk_scale,
+                         win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh,
+                         drop_threshold, inv_keep,
+                         True, CAUSAL, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
 
     b_dq *= scale  # S = scale * Q K^T, so dQ = scale * dS K
     p_dq = DQ + i_b.to(tl.int64) * stride_dqb + i_hq.to(tl.int64) * stride_dqh + q_row.to(tl.int64) * stride_dqn \
@@ -315,17 +401,19 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 # --8<-- [start:bwd-launch]
-def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, packing=None):
+def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
+                       packing=None):
     """Run the three backward kernels on ``q``'s device. Returns ``(dq, dk, dv)`` shaped like q, k, v.
 
     ``o`` and ``lse`` are the forward's outputs; ``dlse`` (B, Hq, N), when given, is the gradient that
-    reached the LSE output. dK and dV of a K/V head sum over its query heads. Packed sequences
-    (``problem.varlen``) take the packed layouts and ``packing`` of
+    reached the LSE output. dK and dV of a K/V head sum over its query heads. ``alibi_slopes`` and
+    ``seed`` are the forward's (the dropout mask is drawn again from the seed, never stored). Packed
+    sequences (``problem.varlen``) take the packed layouts and ``packing`` of
     :func:`flashattn.forward.attention_forward`, with lse and dlse (Hq, total_q).
     """
     if interpreter_needs_float32(q):
         grads = attention_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, problem, dlse,
-                                   packing)
+                                   alibi_slopes, seed, packing)
         return tuple(g.to(q.dtype) for g in grads)
     p = problem
     if p.varlen:
@@ -366,7 +454,7 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, packing
                 dk_view.stride(0), dk_view.stride(1), dk_view.stride(2),
                 dv_view.stride(0), dv_view.stride(1), dv_view.stride(2),
                 p.heads_q, p.heads_kv, p.group, n_q, n_k, p.qk_scale, p.scale, plan.n_blocks, plan.heads_per_group,
-                cu_q, cu_k, offsets, p.batch)
+                cu_q, cu_k, offsets, p.batch, *variant_args(p, alibi_slopes, seed, delta))
         launch(_bwd_dkdv_kernel, plan.grid, args, plan.constexprs, plan.options)
 
     def run_dq(plan: _config.Plan):
@@ -376,7 +464,7 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, packing
                 tile_desc(v, cfg.block_n, p.block_d), tile_desc(do, cfg.block_m, p.block_d),
                 lse2, delta, dq_view, dq_view.stride(0), dq_view.stride(1), dq_view.stride(2),
                 p.heads_q, p.group, n_q, n_k, p.qk_scale, p.scale, plan.n_blocks, plan.heads_per_group,
-                cu_q, cu_k, offsets, p.batch)
+                cu_q, cu_k, offsets, p.batch, *variant_args(p, alibi_slopes, seed, delta))
         launch(_bwd_dq_kernel, plan.grid, args, plan.constexprs, plan.options)
 
     device = q.device

@@ -30,17 +30,23 @@ import triton.language as tl
 from flashattn import _config
 from flashattn._triton import (
     LN2,
+    LOG2E,
     addressable,
     dense_like,
+    dropout_keep,
     forward_key_range,
     heads_first,
     interpreter_needs_float32,
     launch,
     packed_tile,
     program_tile,
+    score_mods,
     tile_desc,
+    tile_mask,
     tile_offsets,
+    variant_args,
     visible,
+    window_key_range,
 )
 from flashattn.problem import Problem
 
@@ -50,22 +56,34 @@ from flashattn.problem import Problem
 def _fwd_inner(
     acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv,  #
     offs_m, offs_n, lo, hi, N_CTX_Q, N_CTX_K, qk_scale,  #
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh, drop_threshold,  #
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,  #
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """Fold the key blocks starting in [lo, hi) into the online-softmax state of one query block."""
+    MODS: tl.constexpr = SOFTCAP or ALIBI
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n  # [BLOCK_N]
         b_k = k_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
         # [BLOCK_M, BLOCK_N]: raw scores q . k; the base-2 scale c = scale * log2(e) comes next
         qk = tl.dot(b_q, tl.trans(b_k))
+        if MODS:
+            # softcap and ALiBi act on every score, masked tile or not (the score-mods section)
+            qk, _ = score_mods(qk, offs_m[:, None], cols[None, :], N_CTX_Q, N_CTX_K, qk_scale,
+                               cap_in, cap_out, slope2, SOFTCAP, ALIBI)
         # --8<-- [start:fwd-masks]
         if MASKED:
             # Out-of-range and (causal) future keys go to -inf *before* the row max: a zero-padded
             # key would score 0, count in l_i (exp2(0 - m_i) in its shifted units, 1 in the plain
             # sum) and become the max of a row whose real scores are all negative. The schedule's
-            # visibility test, compiled: j < M, and j <= i + (M - N) when causal.
-            mask = visible(offs_m[:, None], cols[None, :], N_CTX_Q, N_CTX_K, CAUSAL)
-            s = tl.where(mask, qk * qk_scale, float("-inf"))  # base-2 scores
+            # visibility test, compiled: j < M, and j <= i + (M - N) when causal (and inside the
+            # window when there is one).
+            mask = tile_mask(offs_m[:, None], cols[None, :], N_CTX_Q, N_CTX_K, win_left, win_right,
+                             CAUSAL, HAS_WINDOW)
+            if MODS:
+                s = tl.where(mask, qk, float("-inf"))  # already base 2
+            else:
+                s = tl.where(mask, qk * qk_scale, float("-inf"))  # base-2 scores
         # --8<-- [end:fwd-masks]
         # --8<-- [start:fwd-online-update]
         if MASKED:
@@ -74,6 +92,10 @@ def _fwd_inner(
             # any finite pivot is exact, so such rows pivot at 0 and keep p = exp2(-inf) = 0.
             m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_pivot[:, None])  # [BLOCK_M, BLOCK_N], every entry <= 1
+        elif MODS:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]; qk holds base-2 scores here
+            m_pivot = m_new
+            p = tl.exp2(qk - m_pivot[:, None])  # [BLOCK_M, BLOCK_N]
         else:
             # Every score of an unmasked tile is finite, and c >= 0 (the API checks the scale), so
             # max(c * qk) = c * max(qk) exactly and the scale joins the subtraction in one fused
@@ -83,6 +105,13 @@ def _fwd_inner(
             p = tl.exp2(qk * qk_scale - m_pivot[:, None])  # [BLOCK_M, BLOCK_N]
         alpha = tl.exp2(m_i - m_pivot)  # [BLOCK_M]: rescales the old state to the new pivot
         l_i = l_i * alpha + tl.sum(p, 1)
+        # --8<-- [start:fwd-dropout]
+        if DROPOUT:
+            # l_i above summed every entry: the softmax normalizes before dropout. Only P V sees the
+            # dropped P; the kept entries' 1 / (1 - p) joins once, in the epilogue.
+            keep = dropout_keep(seed_lo, seed_hi, i_bh, offs_m[:, None], cols[None, :], drop_threshold)
+            p = tl.where(keep, p, 0.0)
+        # --8<-- [end:fwd-dropout]
         b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
         # P is rounded to the input dtype so the second matmul runs on the tensor cores too
         acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
@@ -93,14 +122,17 @@ def _fwd_inner(
 
 
 # --8<-- [start:fwd-kernel]
-@triton.jit
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
 def _attn_fwd_kernel(
     q_desc, k_desc, v_desc, O, LSE,  #
     stride_ob, stride_oh, stride_on,  #
     H_Q, GROUP, N_CTX_Q, N_CTX_K, qk_scale, N_BLOCKS, HEADS_PER_GROUP,  #
     CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, N_SEQS,  #
+    win_left, win_right, cap_in, cap_out, SLOPES, stride_slope_b, seed_lo, seed_hi, drop_threshold, inv_keep,  #
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     # Causal rows late in the sequence see the most keys: those blocks launch first, so the short
     # ones fill the gaps at the end of the grid instead of the long ones trailing alone.
@@ -111,8 +143,7 @@ def _attn_fwd_kernel(
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
 
     start_m = i_m * BLOCK_M
-    q_row = start_m  # the tile's first row in q, o and lse
-    lse_row = i_bh.to(tl.int64) * N_CTX_Q  # lse is a fresh contiguous (B, Hq, N)
+    q_row = start_m  # the tile's first row in q and o
     # --8<-- [start:fwd-varlen-prologue]
     if VARLEN:
         # Packed sequences, viewed as B = 1: i_m is a tile of this head's packed query rows, and
@@ -138,27 +169,51 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max, base 2
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # running unnormalized P V
+    slope2 = 0.0
+    if ALIBI:  # this head's slope, in base-2 units
+        slope2 = tl.load(SLOPES + i_b * stride_slope_b + i_hq) * LOG2E
 
-    # The block schedule: key blocks in [0, full_end) are visible to every row of this query block,
-    # [full_end, hi) straddle the causal diagonal or the ragged key edge, [hi, M) are never visited.
-    full_end, hi = forward_key_range(start_m, BLOCK_M, BLOCK_N, N_CTX_Q, N_CTX_K, CAUSAL)
-    lo = 0
+    if HAS_WINDOW:
+        # Key blocks in [lo, full_start) cross the window's left edge, [full_start, full_end) lie
+        # inside it for every row, [full_end, hi) cross its right edge; the rest is never visited.
+        lo, full_start, full_end, hi = window_key_range(start_m, BLOCK_M, BLOCK_N, N_CTX_Q, N_CTX_K,
+                                                        win_left, win_right)
+    else:
+        # The block schedule: key blocks in [0, full_end) are visible to every row of this query block,
+        # [full_end, hi) straddle the causal diagonal or the ragged key edge, [hi, M) are never visited.
+        full_end, hi = forward_key_range(start_m, BLOCK_M, BLOCK_N, N_CTX_Q, N_CTX_K, CAUSAL)
+        lo = 0
+        full_start = 0
     if VARLEN:
         # The loops walk k's packed rows from the sequence's first key; offs_n shifted back by as
         # much keeps each key index (start_n + offs_n) local to the sequence for the masks.
-        lo, full_end, hi = k_start, k_start + full_end, k_start + hi
+        lo, full_start, full_end, hi = lo + k_start, full_start + k_start, full_end + k_start, hi + k_start
         offs_n -= k_start
 
+    if HAS_WINDOW:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
+                                   lo, full_start, N_CTX_Q, N_CTX_K, qk_scale,
+                                   win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh,
+                                   drop_threshold, True, CAUSAL, BLOCK_N, BLOCK_D,
+                                   HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
-                               lo, full_end, N_CTX_Q, N_CTX_K, qk_scale, False, CAUSAL, BLOCK_N, BLOCK_D)
+                               full_start, full_end, N_CTX_Q, N_CTX_K, qk_scale,
+                               win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh,
+                               drop_threshold, False, CAUSAL, BLOCK_N, BLOCK_D,
+                               HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
-                               full_end, hi, N_CTX_Q, N_CTX_K, qk_scale, True, CAUSAL, BLOCK_N, BLOCK_D)
+                               full_end, hi, N_CTX_Q, N_CTX_K, qk_scale,
+                               win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh,
+                               drop_threshold, True, CAUSAL, BLOCK_N, BLOCK_D,
+                               HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
 
     # --8<-- [start:fwd-lse-epilogue]
     # l_i >= 1 for every row that saw a key (its max contributes exp2(0) = 1), so l_i == 0 marks the
     # rows that saw none: they store o = 0 and lse = -inf instead of 0/0.
     empty = l_i == 0.0
     b_o = acc / tl.where(empty, 1.0, l_i)[:, None]  # [BLOCK_M, BLOCK_D]
+    if DROPOUT:
+        b_o = b_o * inv_keep  # the kept entries of P, scaled by 1 / (1 - p)
     # lse = ln(sum exp(s)) = (m_i + log2(l_i)) * ln 2, with m_i the base-2 max
     b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)  # [BLOCK_M]
     # 64-bit base, 32-bit offsets inside the tile: a (B, N, H, D) output can hold more than 2^31 elements
@@ -168,23 +223,30 @@ def _attn_fwd_kernel(
         tl.store(p_o, b_o.to(O.dtype.element_ty), mask=mask_m[:, None])
     else:
         tl.store(p_o, b_o.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
-    p_lse = LSE + lse_row + offs_m
+    if VARLEN:
+        p_lse = LSE + lse_row + offs_m
+    else:
+        # computed here, not in the prologue: a 64-bit value live across the key loop costs registers
+        p_lse = LSE + i_bh.to(tl.int64) * N_CTX_Q + offs_m  # lse is a fresh contiguous (B, Hq, N)
     tl.store(p_lse, b_lse, mask=mask_m)  # mask_m: rows of this sequence (of this head) only
     # --8<-- [end:fwd-lse-epilogue]
 # --8<-- [end:fwd-kernel]
 
 
 # --8<-- [start:fwd-launch]
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem, packing=None):
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem,
+                      alibi_slopes: torch.Tensor | None = None, seed: int = 0, packing=None):
     """Run the forward kernel on ``q``'s device. Returns ``(o, lse)``: o like q, lse float32 (B, Hq, N),
     natural log. Inputs are validated by :mod:`flashattn.api`; any outer strides are used as they are.
+    ``alibi_slopes`` (float32 (Hq,) or (B, Hq)) when ``problem.alibi``; ``seed`` (0 <= seed < 2^62) of
+    the dropout mask when ``problem.dropout_p`` > 0.
 
     Packed sequences (``problem.varlen``): q is (total_q, Hq, D), k and v (total_k, Hkv, D), ``packing``
     is ``(cu_seqlens_q, cu_seqlens_k)`` (int32, on q's device, validated by :mod:`flashattn.varlen`),
     and lse is (Hq, total_q).
     """
     if interpreter_needs_float32(q):
-        o, lse = attention_forward(q.float(), k.float(), v.float(), problem, packing)
+        o, lse = attention_forward(q.float(), k.float(), v.float(), problem, alibi_slopes, seed, packing)
         return o.to(q.dtype), lse
     p = problem
     if p.varlen:
@@ -210,7 +272,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem
                 tile_desc(v, cfg.block_n, p.block_d), o_view, lse,
                 o_view.stride(0), o_view.stride(1), o_view.stride(2),
                 p.heads_q, p.group, n_q, n_k, p.qk_scale, plan.n_blocks, plan.heads_per_group,
-                cu_q, cu_k, offsets, p.batch)
+                cu_q, cu_k, offsets, p.batch, *variant_args(p, alibi_slopes, seed, lse))
         launch(_attn_fwd_kernel, plan.grid, args, plan.constexprs, plan.options)
 
     if p.varlen:  # the fixed table entry: every new total would otherwise be a new plan (and autotuning)

@@ -1,9 +1,11 @@
 """flashattn's attention as PyTorch custom operators, so ``torch.compile`` can trace it.
 
-``torch.ops.flashattn.attention_forward(q, k, v, causal, scale) -> (o, lse)`` and
-``torch.ops.flashattn.attention_backward(do, q, k, v, o, lse, dlse, causal, scale) -> (dq, dk, dv)``
-(and their packed-sequence twins ``attention_varlen_forward`` / ``attention_varlen_backward``, which
-also take ``cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k``) are registered with :mod:`torch.library`: a fake (meta) implementation gives Dynamo and AOTAutograd
+``torch.ops.flashattn.attention_forward(q, k, v, causal, scale, window_left=-1, window_right=-1,
+softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=0) -> (o, lse)`` and
+``torch.ops.flashattn.attention_backward(do, q, k, v, o, lse, dlse, causal, scale, <the same variants>)
+-> (dq, dk, dv)`` (and their packed-sequence twins ``attention_varlen_forward`` /
+``attention_varlen_backward``, which take ``cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k``
+and no variants yet) are registered with :mod:`torch.library`: a fake (meta) implementation gives Dynamo and AOTAutograd
 the output shapes without running anything, and the forward's autograd formula calls the backward
 operator. To the compiler each is one opaque node, so ``torch.compile(fullgraph=True)`` traces a
 model that calls :func:`flashattn.attention` without a graph break, with dynamic shapes and under
@@ -48,43 +50,63 @@ def _in_layout(x: Tensor, like: Tensor) -> Tensor:
     return out
 
 
+def _problem(q, k, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p) -> Problem:
+    # The operators spell the window as FlashAttention 2 does: a negative side is unbounded.
+    window = (None if window_left < 0 else window_left, None if window_right < 0 else window_right)
+    return Problem.of(q, k, causal, scale, window=window, softcap=softcap, alibi=alibi_slopes is not None,
+                      dropout_p=dropout_p)
+
+
 @torch.library.custom_op("flashattn::attention_forward", mutates_args=())
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    o, lse = backend(use_kernels(q))[0](q, k, v, Problem.of(q, k, causal, scale))
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int = -1,
+                      window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
+                      dropout_p: float = 0.0, seed: int = 0) -> tuple[Tensor, Tensor]:
+    problem = _problem(q, k, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p)
+    o, lse = backend(use_kernels(q))[0](q, k, v, problem, alibi_slopes, seed)
     return _in_layout(o, q), lse
 
 
 @attention_forward.register_fake
-def _(q, k, v, causal, scale):
+def _(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+      seed=0):
     b, h_q, n, _ = q.shape
     return _like(q), q.new_empty((b, h_q, n), dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("flashattn::attention_backward", mutates_args=())
 def attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                       dlse: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = backend(use_kernels(q))[1](do, q, k, v, o, lse, Problem.of(q, k, causal, scale), dlse)
+                       dlse: Tensor | None, causal: bool, scale: float, window_left: int = -1,
+                       window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
+                       dropout_p: float = 0.0, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    problem = _problem(q, k, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p)
+    dq, dk, dv = backend(use_kernels(q))[1](do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed)
     return _in_layout(dq, q), _in_layout(dk, k), _in_layout(dv, v)
 
 
 @attention_backward.register_fake
-def _(do, q, k, v, o, lse, dlse, causal, scale):
+def _(do, q, k, v, o, lse, dlse, causal, scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+      dropout_p=0.0, seed=0):
     return _like(q), _like(k), _like(v)
 
 
+_VARIANTS = ("window_left", "window_right", "softcap", "alibi_slopes", "dropout_p", "seed")
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    q, k, v, causal, scale, *variants = inputs
+    variants = dict(zip(_VARIANTS, variants))
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.save_for_backward(q, k, v, o, lse, variants.pop("alibi_slopes", None))
+    ctx.causal, ctx.scale, ctx.variants = causal, scale, variants
 
 
 def _backward(ctx, do, dlse):
-    q, k, v, o, lse = ctx.saved_tensors
+    q, k, v, o, lse, alibi_slopes = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = torch.ops.flashattn.attention_backward(do, q, k, v, o, lse, dlse, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = torch.ops.flashattn.attention_backward(do, q, k, v, o, lse, dlse, ctx.causal, ctx.scale,
+                                                        alibi_slopes=alibi_slopes, **ctx.variants)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -100,7 +122,7 @@ def attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
                              max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                              scale: float) -> tuple[Tensor, Tensor]:
     problem = _packed_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, scale)
-    o, lse = backend(use_kernels(q), varlen=True)[0](q, k, v, problem, (cu_seqlens_q, cu_seqlens_k))
+    o, lse = backend(use_kernels(q), varlen=True)[0](q, k, v, problem, packing=(cu_seqlens_q, cu_seqlens_k))
     return _in_layout(o, q), lse
 
 
@@ -115,7 +137,7 @@ def attention_varlen_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Te
                               max_seqlen_k: int, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     problem = _packed_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, scale)
     dq, dk, dv = backend(use_kernels(q), varlen=True)[1](do, q, k, v, o, lse, problem, dlse,
-                                                         (cu_seqlens_q, cu_seqlens_k))
+                                                         packing=(cu_seqlens_q, cu_seqlens_k))
     return _in_layout(dq, q), _in_layout(dk, k), _in_layout(dv, v)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashattn import schedule
 from flashattn.constants import LOG2E
 
 
@@ -32,6 +33,14 @@ class Problem:
     dtype: torch.dtype
     causal: bool  # bottom-right aligned: query i sees key j when j <= i + M - N
     scale: float  # softmax scale tau in S = tau Q K^T
+    # The variants. Each default is "off", and an "off" variant compiles the kernels without it.
+    # window: (left, right) as the kernels test it (flashattn.schedule.window_bounds: query i sees
+    # key j when i + M - N - left <= j <= i + M - N + right, causal folded into right), or None
+    # when the window hides nothing the causal mask does not already hide.
+    window: tuple[int, int] | None = None
+    softcap: float = 0.0  # > 0: the score s becomes softcap * tanh(s / softcap)
+    alibi: bool = False  # the call passes per-head slopes: -slope * |i + M - N - j| joins the score
+    dropout_p: float = 0.0  # probability of dropping an entry of P (the seed is per call, not here)
     # Packed sequences (flashattn.varlen): batch counts the sequences, n and m are the longest ones
     # (max_seqlen_q, max_seqlen_k), and the tensors hold total_q and total_k rows per head.
     varlen: bool = False
@@ -39,11 +48,24 @@ class Problem:
     total_k: int = 0
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool = False, scale: float | None = None) -> "Problem":
-        """The description of attention of q (B, Hq, N, D) over k (B, Hkv, M, D); the caller validates."""
+    def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool = False, scale: float | None = None, *,
+           window=None, softcap: float | None = 0.0, alibi: bool = False, dropout_p: float = 0.0) -> "Problem":
+        """The description of attention of q (B, Hq, N, D) over k (B, Hkv, M, D); the caller validates.
+
+        ``window = (left, right)`` takes ``None`` on a side for unbounded; ``softcap`` 0 or None is off.
+        """
         batch, heads_q, n, head_dim = q.shape
+        m = k.shape[2]
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-        return cls(batch, heads_q, k.shape[1], n, k.shape[2], head_dim, q.dtype, bool(causal), scale)
+        if window is not None:
+            left, right = schedule.window_bounds(n, m, bool(causal), tuple(window))
+            # left >= m - 1 and right >= n - 1 (0 when causal) reach every key already
+            if left >= m - 1 and right >= (0 if causal else n - 1):
+                window = None
+            else:
+                window = (int(left), int(right))
+        return cls(batch, heads_q, k.shape[1], n, m, head_dim, q.dtype, bool(causal), scale,
+                   window, float(softcap or 0.0), bool(alibi), float(dropout_p))
 
     @classmethod
     def packed(cls, q: torch.Tensor, k: torch.Tensor, n_seqs: int, max_seqlen_q: int, max_seqlen_k: int,
@@ -52,7 +74,7 @@ class Problem:
         total_q, heads_q, head_dim = q.shape
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         return cls(n_seqs, heads_q, k.shape[1], int(max_seqlen_q), int(max_seqlen_k), head_dim, q.dtype,
-                   bool(causal), scale, True, total_q, k.shape[0])
+                   bool(causal), scale, varlen=True, total_q=total_q, total_k=k.shape[0])
 
     @property
     def group(self) -> int:
@@ -68,3 +90,23 @@ class Problem:
     def block_d(self) -> int:
         """The head dim padded to a power of two of at least 16 (:func:`head_dim_block`)."""
         return head_dim_block(self.head_dim)
+
+    @property
+    def softcap_in(self) -> float:
+        """What multiplies q . k inside the softcap's tanh: scale / softcap."""
+        return self.scale / self.softcap if self.softcap else 0.0
+
+    @property
+    def softcap_out(self) -> float:
+        """What multiplies the tanh to give base-2 scores: softcap * log2(e)."""
+        return self.softcap * LOG2E
+
+    @property
+    def dropout_threshold(self) -> int:
+        """An entry is dropped when the top 31 bits of its Philox word are below this: floor(p * 2^31)."""
+        return dropout_threshold(self.dropout_p)
+
+
+def dropout_threshold(p: float) -> int:
+    """floor(p * 2^31): the 31-bit random integer below which an entry of P is dropped."""
+    return int(p * 2.0**31)

@@ -35,29 +35,119 @@ def _group(x: torch.Tensor, h_kv: int) -> torch.Tensor:
     return x.reshape(b, h_kv, h_q // h_kv, n, d)
 
 
-def naive_attention(q, k, v, causal: bool = False, scale: float | None = None):
+def naive_attention(q, k, v, causal: bool = False, scale: float | None = None, *, window=None,
+                    softcap: float | None = 0.0, alibi_slopes=None, dropout_p: float = 0.0, seed: int | None = None,
+                    dropout_mask=None):
     """Attention by the definition: S = scale * Q K^T, P = softmax(S), O = P V.
 
     Returns ``(o, lse)`` with ``lse`` the natural-log log-sum-exp of each row of S, shape (B, Hq, N).
     Computes in the dtype of the inputs (use float64 for a ground truth). Differentiable by autograd.
     A row that sees no key gets ``o = 0`` and ``lse = -inf``, with finite (zero) gradients.
+
+    The variants, in the order they act on a score: ``softcap`` c > 0 turns s into c * tanh(s / c);
+    ``alibi_slopes`` (Hq,) or (B, Hq) adds -slope * |i + M - N - j|; ``window = (left, right)``
+    (``None`` = unbounded on that side) hides keys outside i + M - N - left <= j <= i + M - N + right.
+    ``dropout_p`` > 0 zeroes entries of P (those where ``dropout_mask`` (B, Hq, N, M) is False, or the
+    kernels' Philox mask of ``seed``, :func:`dropout_keep_mask`) and scales the rest by 1 / (1 - p);
+    the LSE is that of the scores, before dropout.
     """
     b, h_q, n, d = q.shape
     h_kv, m = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qg = _group(q, h_kv)  # (B, Hkv, G, N, D)
     s = scale * (qg @ k.unsqueeze(2).transpose(-1, -2))  # (B, Hkv, G, N, M)
-    if causal:
-        s = s.masked_fill(~causal_mask(n, m, q.device), float("-inf"))
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        s = s - _slopes(alibi_slopes, b, h_kv, s.dtype) * _distance(n, m, q.device, s.dtype)
+    rows = torch.arange(n, device=q.device)[:, None]
+    cols = torch.arange(m, device=q.device)[None, :]
+    visible = schedule.visible(rows, cols, n, m, causal)
+    if window is not None:
+        left, right = schedule.window_bounds(n, m, causal, tuple(window))
+        visible = visible & schedule.in_window(rows, cols, n, m, left, right)
+    if causal or window is not None:
+        s = s.masked_fill(~visible, float("-inf"))
     # The pivot only keeps exp in range; it is detached because P does not depend on it.
     row_max = s.amax(dim=-1, keepdim=True).detach()
     pivot = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     e = torch.exp(s - pivot)
     l = e.sum(dim=-1, keepdim=True)
     p = e / torch.where(l > 0, l, torch.ones_like(l))  # empty rows: e == 0, so p == 0
+    if dropout_p > 0:
+        if dropout_mask is None:
+            dropout_mask = dropout_keep_mask(seed, b, h_q, n, m, dropout_p, q.device)
+        p = p * dropout_mask.reshape(p.shape).to(p.dtype) / (1.0 - dropout_p)
     o = p @ v.unsqueeze(2)  # (B, Hkv, G, N, D)
     lse = (pivot + torch.log(l)).reshape(b, h_q, n)  # log(0) = -inf for empty rows
     return o.reshape(b, h_q, n, d), lse.to(_acc_dtype(q))
+
+
+def _slopes(alibi_slopes, b, h_kv, dtype):
+    """ALiBi slopes (Hq,) or (B, Hq) shaped to broadcast over (B, Hkv, G, N, M) scores."""
+    slopes = alibi_slopes.to(dtype)
+    return slopes.reshape(slopes.shape[0] if slopes.dim() == 2 else 1, h_kv, -1, 1, 1)
+
+
+def _distance(n, m, device, dtype, rows=None, cols=None):
+    """|i + M - N - j|: how far key j lies from query i's diagonal, (N, M) or over given indices."""
+    rows = torch.arange(n, device=device)[:, None] if rows is None else rows
+    cols = torch.arange(m, device=device)[None, :] if cols is None else cols
+    return (rows + (m - n) - cols).abs().to(dtype)
+
+
+# --8<-- [start:philox]
+# Philox-4x32-10 (Salmon et al., SC 2011) in int64 torch arithmetic on 32-bit words, as Triton's
+# tl.philox computes it: the kernels and this reference draw the same bits for the same counters.
+_M32 = 0xFFFFFFFF
+_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+
+
+def _mul_hi_lo(a: int, x: torch.Tensor):
+    """(high, low) 32-bit words of the 64-bit product of the constant ``a`` and the words ``x``,
+    without ever forming a product past 2^63: ``a`` is split into 16-bit halves."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    hi_part, lo_part = a_hi * x, a_lo * x  # each < 2^48
+    high = (hi_part + (lo_part >> 16)) >> 16
+    low = (((hi_part & 0xFFFF) << 16) + lo_part) & _M32
+    return high, low
+
+
+def philox(seed: int, c0, c1, c2, c3, rounds: int = 10):
+    """The four output words of Philox-4x32 for the counters (c0, c1, c2, c3) (int64 tensors holding
+    32-bit values) under the 64-bit key ``seed``: Triton's ``tl.philox(seed, c0, c1, c2, c3)``."""
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    for _ in range(rounds):
+        hi_b, lo_b = _mul_hi_lo(_PHILOX_ROUND_B, c2)
+        hi_a, lo_a = _mul_hi_lo(_PHILOX_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY_A) & _M32, (k1 + _PHILOX_KEY_B) & _M32
+    return c0, c1, c2, c3
+
+
+def dropout_keep(seed: int, i_bh, rows, cols, p: float) -> torch.Tensor:
+    """The kernels' keep decision (:func:`flashattn._triton.dropout_keep`) for broadcastable index
+    tensors: counters (j, i, b * Hq + h, 0), dropped when the top 31 bits of the first word are
+    below floor(p * 2^31)."""
+    from flashattn.problem import dropout_threshold
+
+    rows, cols, i_bh = (torch.as_tensor(x).to(torch.int64) for x in (rows, cols, i_bh))
+    shape = torch.broadcast_shapes(rows.shape, cols.shape, i_bh.shape)
+    c0, c1, c2 = (x.expand(shape) for x in (cols, rows, i_bh))
+    r0, _, _, _ = philox(seed, c0, c1, c2, torch.zeros_like(c0))
+    return (r0 >> 1) >= dropout_threshold(p)
+# --8<-- [end:philox]
+
+
+def dropout_keep_mask(seed: int, batch: int, heads: int, n: int, m: int, p: float, device=None) -> torch.Tensor:
+    """Boolean (B, Hq, N, M): True where the kernels keep an entry of P for this ``seed``."""
+    if seed is None:
+        raise ValueError("dropout needs a seed (or a dropout_mask)")
+    i_bh = torch.arange(batch * heads, device=device).reshape(batch, heads, 1, 1)
+    rows = torch.arange(n, device=device).reshape(1, 1, n, 1)
+    cols = torch.arange(m, device=device).reshape(1, 1, 1, m)
+    return dropout_keep(seed, i_bh, rows, cols, p)
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
@@ -86,26 +176,81 @@ def _load_vec(x: torch.Tensor, start: int, size: int, fill: float) -> torch.Tens
     return block
 
 
-def _score_mask(start_m, start_n, block_m, block_n, n, m, causal, device):
-    """(block_m, block_n) mask of the pairs a tile may use: the schedule's visibility test."""
+def _score_mask(start_m, start_n, block_m, block_n, n, m, causal, device, window=None):
+    """(block_m, block_n) mask of the pairs a tile may use: the schedule's visibility test, and the
+    window's (``window`` = the kernels' (left, right)) when there is one."""
     rows = start_m + torch.arange(block_m, device=device)[:, None]
     cols = start_n + torch.arange(block_n, device=device)[None, :]
-    return schedule.visible(rows, cols, n, m, causal)
+    mask = schedule.visible(rows, cols, n, m, causal)
+    if window is not None:
+        mask = mask & schedule.in_window(rows, cols, n, m, *window)
+    return mask
+
+
+class _Mods:
+    """The score variants of one call, as the tile-by-tile loops apply them (the kernels' score_mods,
+    softcap-grad and dropout-mask sections): everything in base 2, like the kernels."""
+
+    def __init__(self, q, h_kv, n, m, scale, acc_dtype, softcap, alibi_slopes, dropout_p, seed):
+        b, h_q = q.shape[0], q.shape[1]
+        self.n, self.m, self.scale, self.softcap = n, m, scale, softcap or 0.0
+        self.qk_scale = scale * LOG2E
+        self.slopes2 = None if alibi_slopes is None else _slopes(alibi_slopes, b, h_kv, acc_dtype) * LOG2E
+        self.dropout_p, self.seed = dropout_p, seed
+        if dropout_p > 0 and seed is None:
+            raise ValueError("dropout needs a seed")
+        # b * Hq + h of every (B, Hkv, G) head, the third Philox counter word
+        self.i_bh = torch.arange(b * h_q, device=q.device).reshape(b, h_kv, h_q // h_kv, 1, 1)
+
+    def scores(self, b_q, b_k, start_m, start_n):
+        """(base-2 scores, tanh of the softcap or None) of one tile."""
+        qk = b_q @ b_k.transpose(-1, -2)  # [.., BLOCK_M, BLOCK_N]
+        t = None
+        if self.softcap:
+            t = torch.tanh(qk * (self.scale / self.softcap))  # the capped score is softcap * t
+            s = t * (self.softcap * LOG2E)
+        else:
+            s = qk * self.qk_scale
+        if self.slopes2 is not None:
+            rows = start_m + torch.arange(b_q.shape[-2], device=b_q.device)[:, None]
+            cols = start_n + torch.arange(b_k.shape[-2], device=b_q.device)[None, :]
+            s = s - self.slopes2 * _distance(self.n, self.m, b_q.device, s.dtype, rows, cols)
+        return s, t
+
+    def keep(self, start_m, start_n, block_m, block_n, device):
+        """The tile's dropout keep mask (the kernels' Philox draw), or None without dropout."""
+        if self.dropout_p == 0:
+            return None
+        rows = start_m + torch.arange(block_m, device=device)[:, None]
+        cols = start_n + torch.arange(block_n, device=device)[None, :]
+        return dropout_keep(self.seed, self.i_bh, rows, cols, self.dropout_p)
+
+
+def _kernel_window(n, m, causal, window):
+    """The kernels' (left, right) of a user window, or None where it hides nothing causal does not."""
+    if window is None:
+        return None
+    left, right = schedule.window_bounds(n, m, causal, tuple(window))
+    return None if left >= m - 1 and right >= (0 if causal else n - 1) else (left, right)
 
 
 # --8<-- [start:online-forward]
-def online_forward(q, k, v, causal: bool = False, scale: float | None = None, block_m: int = 64, block_n: int = 64):
+def online_forward(q, k, v, causal: bool = False, scale: float | None = None, block_m: int = 64, block_n: int = 64,
+                   *, window=None, softcap: float | None = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
+                   seed: int | None = None):
     """Tile-by-tile forward: the loops of the Triton forward kernel, written in PyTorch.
 
-    For each query block, walk the key blocks that :func:`flashattn.schedule.forward_key_range` names,
-    keeping the running row max ``m_i`` (base 2), the running sum ``l_i`` and the unnormalized output
-    ``acc``. Returns ``(o, lse)`` like :func:`naive_attention`.
+    For each query block, walk the key blocks that :func:`flashattn.schedule.forward_key_range` names
+    (:func:`flashattn.schedule.window_key_range` under a window), keeping the running row max ``m_i``
+    (base 2), the running sum ``l_i`` and the unnormalized output ``acc``. Returns ``(o, lse)`` like
+    :func:`naive_attention`, which also describes the variants' keyword arguments.
     """
     b, h_q, n, d = q.shape
     h_kv, m = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     acc_dtype = _acc_dtype(q)
-    qk_scale = scale * LOG2E  # fold log2(e) into the scale: exp2 on the scores is exp of the real scores
+    mods = _Mods(q, h_kv, n, m, scale, acc_dtype, softcap, alibi_slopes, dropout_p, seed)
+    win = _kernel_window(n, m, causal, window)
     qg = _group(q, h_kv).to(acc_dtype)  # (B, Hkv, G, N, D)
     kf, vf = k.unsqueeze(2).to(acc_dtype), v.unsqueeze(2).to(acc_dtype)  # (B, Hkv, 1, M, D)
     o = torch.empty(qg.shape, dtype=q.dtype, device=q.device)
@@ -115,15 +260,19 @@ def online_forward(q, k, v, causal: bool = False, scale: float | None = None, bl
         m_i = torch.full(b_q.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)  # [.., BLOCK_M]
         l_i = torch.zeros_like(m_i)  # [.., BLOCK_M]
         acc = torch.zeros_like(b_q)  # [.., BLOCK_M, D]
-        full_end, hi = schedule.forward_key_range(start_m, block_m, block_n, n, m, causal)
-        for start_n in range(0, hi, block_n):
+        if win is None:
+            full_end, hi = schedule.forward_key_range(start_m, block_m, block_n, n, m, causal)
+            lo = full_start = 0
+        else:
+            lo, full_start, full_end, hi = schedule.window_key_range(start_m, block_m, block_n, n, m, *win)
+        for start_n in range(lo, hi, block_n):
             b_k = _load_rows(kf, start_n, block_n)  # [.., BLOCK_N, D]
             b_v = _load_rows(vf, start_n, block_n)  # [.., BLOCK_N, D]
-            s = (b_q @ b_k.transpose(-1, -2)) * qk_scale  # [.., BLOCK_M, BLOCK_N], base-2 scores
-            if start_n >= full_end:
+            s, _ = mods.scores(b_q, b_k, start_m, start_n)  # [.., BLOCK_M, BLOCK_N], base-2 scores
+            if not full_start <= start_n < full_end:
                 # Out-of-range keys go to -inf *before* the max: a zero-padded key would score 0,
                 # inflate l_i by 2^(-m_i) and become the max of a row whose real scores are negative.
-                mask = _score_mask(start_m, start_n, block_m, block_n, n, m, causal, q.device)
+                mask = _score_mask(start_m, start_n, block_m, block_n, n, m, causal, q.device, win)
                 s = s.masked_fill(~mask, float("-inf"))
             m_new = torch.maximum(m_i, s.amax(dim=-1))
             # A row that has seen only masked keys has m_new = -inf; exp2(-inf - (-inf)) would be NaN,
@@ -131,12 +280,17 @@ def online_forward(q, k, v, causal: bool = False, scale: float | None = None, bl
             m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
             p = torch.exp2(s - m_safe[..., None])  # [.., BLOCK_M, BLOCK_N]
             alpha = torch.exp2(m_i - m_safe)  # rescales the old state to the new pivot
-            l_i = l_i * alpha + p.sum(dim=-1)
+            l_i = l_i * alpha + p.sum(dim=-1)  # the softmax's sum counts every entry, dropped or not
+            keep = mods.keep(start_m, start_n, block_m, block_n, q.device)
+            if keep is not None:
+                p = torch.where(keep, p, torch.zeros_like(p))  # 1 / (1 - p) joins once, in the epilogue
             acc = acc * alpha[..., None] + p @ b_v
             m_i = m_new
         # Epilogue: normalize, and store the log-sum-exp (natural log) for the backward pass.
         empty = l_i == 0  # rows that saw no key: o = 0, lse = -inf
         b_o = acc / torch.where(empty, torch.ones_like(l_i), l_i)[..., None]
+        if dropout_p > 0:
+            b_o = b_o * (1.0 / (1.0 - dropout_p))
         b_lse = (m_i + torch.log2(l_i)) * LN2  # log2(0) = -inf keeps empty rows at -inf
         rows = slice(start_m, min(start_m + block_m, n))
         width = rows.stop - rows.start  # a ragged last block stores only its real rows
@@ -149,39 +303,55 @@ def online_forward(q, k, v, causal: bool = False, scale: float | None = None, bl
 # --8<-- [start:online-backward]
 def online_backward(
     do, q, k, v, o, lse, causal: bool = False, scale: float | None = None, block_m: int = 64, block_n: int = 64,
-    dlse=None,
+    dlse=None, *, window=None, softcap: float | None = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
+    seed: int | None = None,
 ):
     """Tile-by-tile backward: preprocess D, then the dK/dV loop and the dQ loop, recomputing P from lse.
 
     Returns ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v. dK and dV of a key/value head sum the
     contributions of every query head of its group. ``dlse`` (B, Hq, N), when given, is the gradient
-    that reached the LSE output; it joins D (dS = P * (dP - (D - dLSE))).
+    that reached the LSE output; it joins D (dS = P * (dP - (D - dLSE))). The variants take the
+    forward's arguments; the ALiBi slopes get no gradient.
     """
     b, h_q, n, d = q.shape
     h_kv, m = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     acc_dtype = _acc_dtype(q)
-    qk_scale = scale * LOG2E
+    mods = _Mods(q, h_kv, n, m, scale, acc_dtype, softcap, alibi_slopes, dropout_p, seed)
+    win = _kernel_window(n, m, causal, window)
+    inv_keep = 1.0 / (1.0 - dropout_p)
     qg, dog, og = (_group(x, h_kv).to(acc_dtype) for x in (q, do, o))  # (B, Hkv, G, N, D)
     kf, vf = k.unsqueeze(2).to(acc_dtype), v.unsqueeze(2).to(acc_dtype)  # (B, Hkv, 1, M, D)
     lse2 = lse.reshape(qg.shape[:-1]).to(acc_dtype) * LOG2E  # base-2 log-sum-exp per row
 
     # Preprocess: D_i = rowsum(dO_i * O_i) equals rowsum(P_i * dP_i) (the D identity), an N x d
-    # reduction instead of an N x M one.
+    # reduction instead of an N x M one. With dropout, O is the dropped output and the identity holds
+    # with dP the gradient of the undropped P (Z * dO V^T / (1 - p)).
     delta = (dog * og).sum(dim=-1)  # (B, Hkv, G, N)
     if dlse is not None:
         delta = delta - dlse.reshape(delta.shape).to(acc_dtype)  # dLSE_i / dS_ij = P_ij
 
     def recompute_p(b_q, b_k, b_lse2, start_m, start_n, masked):
-        s = (b_q @ b_k.transpose(-1, -2)) * qk_scale  # [.., BLOCK_M, BLOCK_N]
+        s, t = mods.scores(b_q, b_k, start_m, start_n)  # [.., BLOCK_M, BLOCK_N]
         # A row with no visible key has lse = -inf; pivoting it at 0 keeps exp2 finite, and the mask
         # below zeroes the row anyway (it lies entirely in masked tiles).
         b_lse2 = torch.where(b_lse2 == float("-inf"), torch.zeros_like(b_lse2), b_lse2)
         p = torch.exp2(s - b_lse2[..., None])
         if masked:
-            mask = _score_mask(start_m, start_n, block_m, block_n, n, m, causal, q.device)
+            mask = _score_mask(start_m, start_n, block_m, block_n, n, m, causal, q.device, win)
             p = torch.where(mask, p, torch.zeros_like(p))
-        return p
+        return p, t
+
+    def scores_grad(p, dp, b_delta, t, keep):
+        """dS of the raw scores scale * q.k from P, dP = dO V^T and D."""
+        p_used = p  # the P that multiplied V
+        if keep is not None:
+            dp = torch.where(keep, dp * inv_keep, torch.zeros_like(dp))  # dP of the undropped P
+            p_used = torch.where(keep, p * inv_keep, torch.zeros_like(p))
+        ds = p * (dp - b_delta[..., None])  # dS = P * (dP - D)
+        if t is not None:
+            ds = ds * (1 - t * t)  # through the softcap: d(c tanh(s / c)) / ds = 1 - tanh^2
+        return ds, p_used
 
     dk = torch.empty(kf.shape[:2] + (m, d), dtype=k.dtype, device=k.device)
     dv = torch.empty_like(dk, dtype=v.dtype)
@@ -191,8 +361,12 @@ def online_backward(
         b_v = _load_rows(vf, start_n, block_n)  # [.., BLOCK_N, D]
         b_dk = torch.zeros(qg.shape[:3] + (block_n, d), dtype=acc_dtype, device=q.device)
         b_dv = torch.zeros_like(b_dk)
-        lo, full_start, full_end = schedule.backward_query_range(start_n, block_m, block_n, n, m, causal)
-        for start_m in range(lo, n, block_m):
+        if win is None:
+            lo, full_start, full_end = schedule.backward_query_range(start_n, block_m, block_n, n, m, causal)
+            hi = n
+        else:
+            lo, full_start, full_end, hi = schedule.window_query_range(start_n, block_m, block_n, n, m, *win)
+        for start_m in range(lo, hi, block_m):
             # Tiles on the diagonal, on the ragged last query block, or on a ragged key block are masked.
             # Padding rows (>= n) must contribute nothing: unmasked, their P could overflow and turn
             # dS = P * (dP - D) into NaN even though their dO is zero.
@@ -201,10 +375,10 @@ def online_backward(
             b_do = _load_rows(dog, start_m, block_m)
             b_lse2 = _load_vec(lse2, start_m, block_m, 0.0)
             b_delta = _load_vec(delta, start_m, block_m, 0.0)
-            p = recompute_p(b_q, b_k, b_lse2, start_m, start_n, masked)  # [.., BLOCK_M, BLOCK_N]
-            b_dv += p.transpose(-1, -2) @ b_do  # dV = P^T dO
+            p, t = recompute_p(b_q, b_k, b_lse2, start_m, start_n, masked)  # [.., BLOCK_M, BLOCK_N]
             dp = b_do @ b_v.transpose(-1, -2)  # dP = dO V^T
-            ds = p * (dp - b_delta[..., None])  # dS = P * (dP - D)
+            ds, p_used = scores_grad(p, dp, b_delta, t, mods.keep(start_m, start_n, block_m, block_n, q.device))
+            b_dv += p_used.transpose(-1, -2) @ b_do  # dV = P^T dO (the dropped, rescaled P)
             b_dk += ds.transpose(-1, -2) @ b_q  # dK = scale * dS^T Q (scale applied once, below)
         cols = slice(start_n, min(start_n + block_n, m))
         width = cols.stop - cols.start
@@ -220,13 +394,18 @@ def online_backward(
         b_delta = _load_vec(delta, start_m, block_m, 0.0)
         b_dq = torch.zeros_like(b_q)  # [.., BLOCK_M, D]
         # The forward's key walk, except that a ragged last query block masks every tile.
-        full_end, hi = schedule.dq_key_range(start_m, block_m, block_n, n, m, causal)
-        for start_n in range(0, hi, block_n):
+        if win is None:
+            full_end, hi = schedule.dq_key_range(start_m, block_m, block_n, n, m, causal)
+            lo = full_start = 0
+        else:
+            lo, full_start, full_end, hi = schedule.window_dq_key_range(start_m, block_m, block_n, n, m, *win)
+        for start_n in range(lo, hi, block_n):
             b_k = _load_rows(kf, start_n, block_n)
             b_v = _load_rows(vf, start_n, block_n)
-            p = recompute_p(b_q, b_k, b_lse2, start_m, start_n, start_n >= full_end)
+            masked = not full_start <= start_n < full_end
+            p, t = recompute_p(b_q, b_k, b_lse2, start_m, start_n, masked)
             dp = b_do @ b_v.transpose(-1, -2)
-            ds = p * (dp - b_delta[..., None])
+            ds, _ = scores_grad(p, dp, b_delta, t, mods.keep(start_m, start_n, block_m, block_n, q.device))
             b_dq += ds @ b_k  # dQ = scale * dS K (scale applied once, below)
         rows = slice(start_m, min(start_m + block_m, n))
         width = rows.stop - rows.start

@@ -73,9 +73,92 @@ def visible(rows, cols, n, m, causal):
 # --8<-- [end:visible]
 
 
-def is_visible(i: int, j: int, n: int, m: int, causal: bool) -> bool:
-    """Whether query ``i`` may attend to key ``j`` (both in range) under bottom-right alignment."""
-    return bool(0 <= i and 0 <= j and visible(i, j, n, m, causal))
+def is_visible(i: int, j: int, n: int, m: int, causal: bool, window=None) -> bool:
+    """Whether query ``i`` may attend to key ``j`` (both in range) under bottom-right alignment,
+    and inside ``window = (left, right)`` when one is given (see :func:`window_bounds`)."""
+    ok = 0 <= i and 0 <= j and visible(i, j, n, m, causal)
+    if window is not None:
+        left, right = window_bounds(n, m, causal, window)
+        ok = ok and in_window(i, j, n, m, left, right)
+    return bool(ok)
+
+
+# --8<-- [start:window-range]
+# A sliding window (left, right): query i sees key j when i + (m - n) - left <= j <= i + (m - n) + right,
+# the same bottom-right alignment as the causal mask. The kernels take the two bounds as plain
+# integers: an unbounded side is clipped to a bound no pair reaches (j - (i + m - n) lies in
+# [1 - m, n - 1]), and causal caps the right bound at 0, so one test covers every combination.
+def window_bounds(n, m, causal, window):
+    """``(left, right)`` as the kernels use them, from ``window = (left, right)`` (``None`` = unbounded).
+
+    Host only (it reads ``None``): the problem description calls it once. ``left`` is at most ``m``
+    and ``right`` at most ``n`` (both already unbounded there); causal makes ``right <= 0``.
+    """
+    left, right = window
+    left = m if left is None else min(left, m)
+    right = n if right is None else min(right, n)
+    if causal:
+        right = min(right, 0)
+    return left, right
+
+
+def in_window(rows, cols, n, m, left, right):
+    """Which (query row, key column) pairs lie inside the window; broadcasts like :func:`visible`."""
+    diagonal = rows + (m - n)  # the key that sits on query ``rows``'s diagonal
+    return (cols >= diagonal - left) & (cols <= diagonal + right)
+
+
+def window_key_range(start_m, block_m, block_n, n, m, left, right):
+    """Key ranges the forward loop of one query block walks under a window.
+
+    Returns ``(lo, full_start, full_end, hi)``: key blocks starting in ``[lo, full_start)`` cross the
+    window's left edge and run masked, those in ``[full_start, full_end)`` lie inside the window for
+    every row of the block and run unmasked, those in ``[full_end, hi)`` cross the right edge (or
+    the ragged key edge) and run masked. Keys below ``lo`` and from ``hi`` on are never visited, so a
+    window of w keys costs O(w) per row, not O(m). ``lo``, ``full_start`` and ``full_end`` are
+    multiples of ``block_n`` whenever the unmasked range is not empty.
+    """
+    last_row = start_m + block_m - 1
+    lo = clamp(start_m + m - n - left, 0, m) // block_n * block_n  # the first row's first key
+    hi = clamp(last_row + m - n + right + 1, 0, m)  # past the last row's last key
+    # Unmasked: at or past the last row's first key (rounded up to a block) ...
+    first_full = (clamp(last_row + m - n - left, 0, m) + block_n - 1) // block_n * block_n
+    # ... and ending at or before the first row's last key, never on the ragged key edge.
+    end_full = clamp(start_m + m - n + right + 1, 0, m) // block_n * block_n
+    full_start = clamp(first_full, lo, hi)
+    full_end = clamp(end_full, full_start, hi)
+    return lo, full_start, full_end, hi
+
+
+def window_dq_key_range(start_m, block_m, block_n, n, m, left, right):
+    """:func:`window_key_range` for the dQ loop: a ragged last query block masks every tile."""
+    lo, full_start, full_end, hi = window_key_range(start_m, block_m, block_n, n, m, left, right)
+    ragged = start_m + block_m > n
+    full_start = select(ragged, hi, full_start)
+    full_end = select(ragged, hi, full_end)
+    return lo, full_start, full_end, hi
+
+
+def window_query_range(start_n, block_m, block_n, n, m, left, right):
+    """Query ranges the dK/dV loop of one key block walks under a window.
+
+    Returns ``(lo, full_start, full_end, hi)``: query blocks starting in ``[lo, full_start)`` and
+    ``[full_end, hi)`` run masked, those in ``[full_start, full_end)`` see the whole key block.
+    Rows below ``lo`` or from ``hi`` on see none of it. A ragged key block, and the ragged last
+    query block, are always masked (as in :func:`backward_query_range`).
+    """
+    last_key = start_n + block_n - 1
+    lo = clamp(start_n + n - m - right, 0, n) // block_m * block_m  # the first row seeing the first key
+    hi = clamp(last_key + n - m + left + 1, 0, n)  # past the last row seeing the last key
+    # Unmasked: rows that see the block's last key by the right bound (rounded up to a block) ...
+    first_full = (clamp(last_key + n - m - right, 0, n) + block_m - 1) // block_m * block_m
+    # ... and its first key by the left bound, below the ragged last query block.
+    end_full = minimum(clamp(start_n + n - m + left + 1, 0, n), n // block_m * block_m) // block_m * block_m
+    full_start = clamp(first_full, lo, hi)
+    full_end = clamp(end_full, full_start, hi)
+    full_end = select(start_n + block_n > m, full_start, full_end)
+    return lo, full_start, full_end, hi
+# --8<-- [end:window-range]
 
 
 # --8<-- [start:boundaries]
@@ -272,20 +355,31 @@ def heads_per_group(n_heads: int, n_blocks: int, programs: int) -> int:
 
 
 def classify_block(
-    start_m: int, start_n: int, block_m: int, block_n: int, n: int, m: int, causal: bool
+    start_m: int, start_n: int, block_m: int, block_n: int, n: int, m: int, causal: bool, window=None
 ) -> str:
-    """How the forward schedule treats the tile at (``start_m``, ``start_n``): full, masked or skipped."""
-    full_end, hi = forward_key_range(start_m, block_m, block_n, n, m, causal)
-    if start_n >= hi:
+    """How the forward schedule treats the tile at (``start_m``, ``start_n``): full, masked or skipped.
+
+    ``window = (left, right)`` (``None`` on a side = unbounded) walks :func:`window_key_range` instead.
+    """
+    if window is None:
+        full_end, hi = forward_key_range(start_m, block_m, block_n, n, m, causal)
+        lo = full_start = 0
+    else:
+        left, right = window_bounds(n, m, causal, window)
+        lo, full_start, full_end, hi = window_key_range(start_m, block_m, block_n, n, m, left, right)
+    if start_n < lo or start_n >= hi:
         return SKIPPED
-    if start_n < full_end:
+    if full_start <= start_n < full_end:
         return FULL
     return MASKED
 
 
-def block_grid(n: int, m: int, block_m: int, block_n: int, causal: bool) -> list[list[str]]:
-    """The whole schedule as a grid of labels: ``grid[query block][key block]``."""
+def block_grid(n: int, m: int, block_m: int, block_n: int, causal: bool, *, window=None) -> list[list[str]]:
+    """The whole schedule as a grid of labels: ``grid[query block][key block]``.
+
+    ``window = (left, right)``, when given, is the sliding window (``None`` on a side = unbounded).
+    """
     return [
-        [classify_block(sm, sn, block_m, block_n, n, m, causal) for sn in range(0, m, block_n)]
+        [classify_block(sm, sn, block_m, block_n, n, m, causal, window) for sn in range(0, m, block_n)]
         for sm in range(0, n, block_m)
     ]

@@ -44,9 +44,10 @@ BAD_INPUTS = [
     ("complex dtype", lambda: flashattn.attention(*(x.to(torch.complex64) for x in (q0, k0, v0))), TypeError, ["floating"]),
     ("meta device", lambda: flashattn.attention(*(x.to("meta") for x in (q0, k0, v0))), ValueError, ["device"]),
     ("device mismatch", lambda: flashattn.attention(q0, k0.to("meta"), v0), ValueError, ["device", "k"]),
-    ("flash: dropout", lambda: flashattn.flash_attn_func(q0, k0, v0, dropout_p=0.1), ValueError, ["dropout_p"]),
-    ("flash: window", lambda: flashattn.flash_attn_func(q0, k0, v0, window_size=(4, 0)), ValueError, ["window_size"]),
-    ("flash: alibi", lambda: flashattn.flash_attn_func(q0, k0, v0, alibi_slopes=torch.ones(4)), ValueError, ["alibi_slopes"]),
+    ("flash: dropout", lambda: flashattn.flash_attn_func(q0, k0, v0, dropout_p=1.0), ValueError, ["dropout_p"]),
+    ("flash: window", lambda: flashattn.flash_attn_func(q0, k0, v0, window_size=4), TypeError, ["window_size"]),
+    ("flash: alibi", lambda: flashattn.flash_attn_func(q0, k0, v0, alibi_slopes=torch.ones(3)), ValueError, ["alibi_slopes"]),
+    ("flash: softcap", lambda: flashattn.flash_attn_func(q0, k0, v0, softcap=-1.0), ValueError, ["softcap"]),
     ("flash: rank", lambda: flashattn.flash_attn_func(q0[0], k0, v0), ValueError, ["q", "(B, N, H, D)"]),
 ]
 

@@ -892,3 +892,37 @@ def test_varlen_padding_round_trips_and_providers_agree_on_the_cpu():
         assert checked
         assert varlen.check(fn(), q, k, v, lengths, True)["passed"], name
     assert varlen.prepare("flashattn_padded", q, k, v, lengths, False)[1] is False  # padding keys: timing only
+# -- the variants section (benchmarks.variants) on a CPU, with a fake timer ---------------------------------
+
+def test_variants_section_runs_checks_and_reports_on_cpu():
+    """Every row at a tiny shape: flashattn with and without the variant is checked against float64 and
+    timed; providers without the variant are recorded as unsupported, never as a number."""
+    from benchmarks import variants
+
+    rows = [variants.ROWS[name].at(batch=1, heads=2, seqlen=48, head_dim=16) for name in variants.ROWS]
+    rows = [r.at(variant={**r.variant, "window": (20, 0)}) if r.kind == "window" else r for r in rows]
+    out = variants.run(rows, ["flashattn", "flashattn_plain", "sdpa_flash"], "cpu", fake_timer,
+                       log=lambda line: None, check_shape=dict(batch=1, heads=2, seqlen=40))
+    by = {(r["row"], r["provider"]): r for r in out["rows"]}
+    for row in rows:
+        for provider in ("flashattn", "flashattn_plain"):
+            rec = by[(row.name, provider)]
+            assert rec["status"] == "ok", rec
+            assert rec["check"]["passed"], rec["check"]
+            assert rec["fwd"]["ms"] == FAKE_MS
+    assert by[("window-16k", "sdpa_flash")]["status"] == "unsupported"
+    assert by[("softcap-8k", "sdpa_flash")]["status"] == "unsupported"
+    assert by[("dropout-8k", "sdpa_flash")]["check"]["status"] == "unchecked"
+    table = variants.markdown(out)
+    assert "| window-16k |" in table and "unsupported" in table
+
+
+def test_variants_visible_pairs_count_the_window():
+    from benchmarks import variants
+
+    def brute(n, left):
+        return sum(1 for i in range(n) for j in range(n) if j <= i and (left is None or i - j <= left))
+
+    for n, left in ((10, None), (10, 3), (7, 0), (5, 9)):
+        row = variants.Row("x", 1, 1, n, variant={} if left is None else {"window": (left, 0)})
+        assert variants.visible_pairs(row) == brute(n, left)
