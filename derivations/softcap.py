@@ -1,9 +1,9 @@
 # --8<-- [start:statement]
-"""The softcap backward: the chain rule through tanh. With a cap c > 0 (Gemma 2's logit soft-capping)
-the scores S = τ Q Kᵀ are squashed entry by entry before the softmax (and before any ALiBi bias B,
+"""The softcap backward: the chain rule through tanh. With a cap κ > 0 (the `softcap` argument, Gemma 2's logit
+soft-capping; `c` in the code below) the scores S = τ Q Kᵀ are squashed entry by entry before the softmax (and before any ALiBi bias B,
 which is a constant here):
 
-    t = tanh(S / c),    T = c · t + B,    P = softmax_row(T),    O = P V.
+    t = tanh(S / κ),    T = κ · t + B,    P = softmax_row(T),    O = P V.
 
 The softmax backward is the usual one, at the capped scores: dT = P ∘ (dP − δ) with dP = dO Vᵀ and
 δ = rowsum(dO ∘ O) (T is what the softmax saw, so the δ identity holds for it unchanged). Each T_ij
@@ -11,10 +11,10 @@ depends on S_ij alone, with dT_ij/dS_ij = 1 − t_ij², so
 
     dS = dT ∘ (1 − t²) = P ∘ (dP − δ) ∘ (1 − t²),    dQ = τ dS K,    dK = τ dSᵀ Q,    dV = Pᵀ dO.
 
-t is recomputed from the raw score S in the backward, not from the capped one: tanh'(T/c) would
-differentiate a second application of the cap. As c → ∞, c · tanh(S/c) → S and 1 − t² → 1: the
-plain attention and its backward are the limit. For huge logits t → ±1 and 1 − t² → 0 with no
-overflow: |T| ≤ c, so a capped row can never be dominated by one runaway score.
+t is recomputed from the raw score S in the backward, not from the capped one: tanh'(T/κ) would
+differentiate a second application of the cap. As κ → ∞, κ · tanh(S/κ) → S and 1 − t² → 1: the
+plain attention and its backward are the limit. For huge logits t → ±1 and 1 − t² → 0, with
+nothing to overflow: |T − B| ≤ κ whatever the logits, and the factor 1 − t² lies in [0, 1].
 """
 # --8<-- [end:statement]
 
@@ -27,11 +27,11 @@ import sympy as sp
 from ._common import broadcast_rows, hadamard, holds, is_zero_with_exps, rowsum, symbol_matrix
 from ._result import CheckResult, Ledger
 
-IDENTITY = "softcap: T = c·tanh(S/c) (+ bias); dS = P∘(dP − δ)∘(1 − t²), t = tanh(S/c); δ = rowsum(dO∘O); c → ∞ gives plain attention"
-METHOD = ("SymPy on explicit symbol matrices with a symbolic cap c and bias B (tanh and exp replaced by fresh "
-          "symbols, exact rational zero test); SymPy limits c → ∞; float64 torch central differences of a "
+IDENTITY = "softcap: T = κ·tanh(S/κ) (+ bias); dS = P∘(dP − δ)∘(1 − t²), t = tanh(S/κ); δ = rowsum(dO∘O); κ → ∞ gives plain attention"
+METHOD = ("SymPy on explicit symbol matrices with a symbolic cap κ and bias B (tanh and exp replaced by fresh "
+          "symbols, exact rational zero test); SymPy limits κ → ∞; float64 torch central differences of a "
           "hand-written softcap attention (causal, N ≠ M, empty rows, GQA, huge logits)")
-NEGATIVE = ("the factor (1 − t²) forgotten; tanh' taken at the capped score, 1 − tanh²(T/c); "
+NEGATIVE = ("the factor (1 − t²) forgotten; tanh' taken at the capped score, 1 − tanh²(T/κ); "
             "the factor as 1 − t instead of 1 − t²; δ from the uncapped softmax")
 
 
@@ -195,14 +195,14 @@ SYMBOLIC_SHAPES = [(2, 2, 1), (1, 3, 2)]
 
 def check() -> CheckResult:
     ledger = Ledger()
-    ledger.claim(f"symbolic c, S, bias B: dS = P∘(dP − δ)∘(1 − tanh²(S/c)) equals ∂L/∂S entry by entry, "
+    ledger.claim(f"symbolic κ, S, bias B: dS = P∘(dP − δ)∘(1 − tanh²(S/κ)) equals ∂L/∂S entry by entry, "
                  f"(N, M, d) {SYMBOLIC_SHAPES}", lambda: symbolic_route(softcap_backward, SYMBOLIC_SHAPES))
-    ledger.claim("c → ∞: c·tanh(s/c) → s, its derivative 1 − tanh²(s/c) → 1; c·tanh(s/c) = s − s³/(3c²) + O(c⁻⁴)",
+    ledger.claim("κ → ∞: κ·tanh(s/κ) → s, its derivative 1 − tanh²(s/κ) → 1; κ·tanh(s/κ) = s − s³/(3κ²) + O(κ⁻⁴)",
                  limit_route)
     ledger.claim("float64 central differences, hand-written softcap attention: dQ, dK from the formula "
-                 "(causal 7×5 with empty rows and a bias; GQA 4:2 with N < M; logits ~10³ against c = 5, no NaN)",
+                 "(causal 7×5 with empty rows and a bias; GQA 4:2 with N < M; logits ~10³ against κ = 5, no NaN)",
                  lambda: torch_route(softcap_backward))
-    ledger.claim("c = 10⁸: output and dS equal plain causal attention's to 1e-13", large_cap_route)
+    ledger.claim("κ = 10⁸: output and dS equal plain causal attention's to 1e-13", large_cap_route)
     # --8<-- [start:negative]
     def factor_forgotten(S, c, P, dP, delta, tanh=sp.tanh):
         return _hadamard(P, dP - _broadcast(delta, P))  # dT taken for dS
@@ -225,7 +225,7 @@ def check() -> CheckResult:
         return softcap_backward(S, c, P, dP, wrong, tanh)
 
     for name, wrong in (("(1 − t²) forgotten", factor_forgotten),
-                        ("1 − tanh²(T/c): derivative at the capped score", derivative_at_capped_score),
+                        ("1 − tanh²(T/κ): derivative at the capped score", derivative_at_capped_score),
                         ("(1 − t) instead of (1 − t²)", linear_factor),
                         ("δ from softmax(S), not softmax(T)", delta_uncapped)):
         ledger.control(f"{name}: symbolic", lambda: not symbolic_route(wrong, SYMBOLIC_SHAPES[:1]))
