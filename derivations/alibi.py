@@ -42,9 +42,9 @@ def tile_bias(rows, cols, slope, n, m):
     return -slope * abs(rows + (m - n) - cols)
 
 
-def biased_tile_scores(qk, rows, cols, slope, tau, n, m, bias=tile_bias):
+def biased_tile_scores(qk, rows, cols, slope, tau, n, m, bias=None):
     """What a kernel feeds to the running max: the scaled scores plus the bias, outside the scale."""
-    return tau * qk + bias(rows, cols, slope, n, m)
+    return tau * qk + (bias or tile_bias)(rows, cols, slope, n, m)
 
 
 def score_grad(P, dO, V):
@@ -69,10 +69,11 @@ def _sym_abs(x):
     return sp.Abs(sp.Integer(x)) if isinstance(x, int) else sp.Abs(x)
 
 
-def online_route(scores=biased_tile_scores) -> bool:
+def online_route(scores=None) -> bool:
     """One query row (i = 1 of N = 2, M = 4: position 3) folded over two key blocks of two, with every
     q·k, value, the slope, the scale and both pivots symbols; the fold must equal softmax(τ x + B) v
     and its log-sum-exp. The pivots are free: the identity may not depend on them."""
+    scores = scores or biased_tile_scores
     lam, tau = sp.Symbol("lambda", positive=True), sp.Symbol("tau", positive=True)
     n, m, i, block = 2, 4, 1, 2
     x = [sp.Symbol(f"x_{j}", real=True) for j in range(m)]
@@ -95,7 +96,7 @@ def online_route(scores=biased_tile_scores) -> bool:
             and holds(lambda: _identically_zero(sp.exp(got_lse) - sp.exp(want_lse))))
 
 
-def gradient_route(grad=score_grad, shapes=((2, 3, 1), (3, 2, 1))) -> bool:
+def gradient_route(grad=None, shapes=((2, 3, 1), (3, 2, 1))) -> bool:
     """L = ⟨dO, softmax(τ Q Kᵀ + B) V⟩ with Q, K, V, dO, τ and λ symbols; ∂L/∂Q and ∂L/∂K by SymPy
     against τ dS K and τ dSᵀ Q with dS from `grad` (N < M and N > M, so both sides of |·| occur)."""
     lam, tau = sp.Symbol("lambda", positive=True), sp.Symbol("tau", positive=True)
@@ -106,7 +107,7 @@ def gradient_route(grad=score_grad, shapes=((2, 3, 1), (3, 2, 1))) -> bool:
         T = tau * Q * K.T + B
         P = sp.Matrix(n, m, lambda i, j: sp.exp(T[i, j]) / sum(sp.exp(T[i, k]) for k in range(m)))
         loss = sum(hadamard(dO, P * V))
-        dS = grad(P, dO, V) if grad is score_grad else grad(P, dO, V, tau * Q * K.T)
+        dS = score_grad(P, dO, V) if grad is None else grad(P, dO, V, tau * Q * K.T)
         for X, want in ((Q, tau * dS * K), (K, tau * dS.T * Q)):
             if not all(holds(lambda a=a, c=c: _identically_zero(want[a, c] - sp.diff(loss, X[a, c])))
                        for a in range(X.rows) for c in range(X.cols)):
@@ -134,7 +135,7 @@ def alibi_attention(q, k, v, slopes, causal, top_left=False):
     return p @ v, lse, p
 
 
-def tiled_forward(q, k, v, slopes, causal, block_m=3, block_n=2, bias=tile_bias, scores=biased_tile_scores):
+def tiled_forward(q, k, v, slopes, causal, block_m=3, block_n=2, bias=None, scores=None):
     """The online forward, tile by tile (ragged blocks, pivot = running max, empty rows kept at −inf)."""
     import torch
 
@@ -150,7 +151,7 @@ def tiled_forward(q, k, v, slopes, causal, block_m=3, block_n=2, bias=tile_bias,
         for sn in range(0, m, block_n):
             cols = torch.arange(sn, min(sn + block_n, m))[None, :]
             qk = q[:, :, rows[:, 0]] @ k[:, :, cols[0]].transpose(-1, -2)
-            s = scores(qk, rows, cols, lam, d ** -0.5, n, m, bias)
+            s = (scores or biased_tile_scores)(qk, rows, cols, lam, d ** -0.5, n, m, bias)
             if causal:
                 s = s.masked_fill(cols > rows + (m - n), float("-inf"))
             m_new = torch.maximum(m_i, s.amax(-1))
@@ -253,7 +254,7 @@ def check() -> CheckResult:
     # --8<-- [start:negative]
     block_local = lambda rows, cols, slope, n, m: tile_bias(rows, cols % 2, slope, n, m)  # j − start_n
     top_left = lambda rows, cols, slope, n, m: tile_bias(rows, cols, slope, n, n)  # |i − j|
-    inside_scale = lambda qk, rows, cols, slope, tau, n, m, bias: tau * (qk + bias(rows, cols, slope, n, m))
+    inside_scale = lambda qk, rows, cols, slope, tau, n, m, bias: tau * (qk + (bias or tile_bias)(rows, cols, slope, n, m))
 
     def unbiased_p(q, k, slopes, causal):  # the backward recomputes P and forgets to add B again
         zero = slopes * 0
