@@ -12,6 +12,16 @@ The δ identity survives: rowsum(P ∘ dP) = rowsum(P̃ ∘ dP̃) = rowsum(dO �
 the *dropped* P̃, exactly the O the forward pass stored. dS is formed from the *undropped* P: a
 backward that reassigns P to P̃ and then forms dS = P̃ ∘ (dP̃ − δ) gets the first term right
 (P̃ ∘ dP̃ = P ∘ dP) and the second wrong (P̃ δ instead of P δ); the two agree only when p_drop = 0.
+
+In a kernel's terms: the forward drops the *normalized* probabilities, so the running sum ℓ and the
+LSE are those of the undropped row (the LSE does not depend on Z) while only the accumulator sees
+Z/(1 − p_drop); the backward recomputes P from the LSE, regenerates Z from the seed instead of
+reading it, and forms
+
+    dS = P ∘ (Z ∘ (dO Vᵀ) / (1 − p_drop) − δ),    δ = rowsum(dO ∘ O),
+
+with O the dropped output the forward stored. Normalizing by the sum of the *dropped* row instead
+gives a different O (and a different LSE) whenever a dropped entry carries weight.
 """
 # --8<-- [end:statement]
 
@@ -27,10 +37,13 @@ from ._common import (broadcast_rows, hadamard, holds, is_zero_with_exps, mp_mat
                      symbol_matrix)
 from ._result import CheckResult, Ledger
 
-IDENTITY = "dropout: O = (P∘Z/(1−p_drop))V; dV = P̃ᵀdO; dP = (dO Vᵀ)∘Z/(1−p_drop); dS = P∘(dP − δ); δ = rowsum(dO∘O) still"
-METHOD = "SymPy with symbolic mask entries and drop probability; exact rationals; mpmath central differences"
+IDENTITY = ("dropout: O = (P∘Z/(1−p_drop))V, LSE unchanged; dV = P̃ᵀdO; dS = P∘(Z∘(dO Vᵀ)/(1−p_drop) − δ); "
+            "δ = rowsum(dO∘O) still")
+METHOD = ("SymPy with symbolic mask entries and drop probability; exact rationals; mpmath central differences; "
+          "float64 torch with a fixed mask: autograd (causal, N ≠ M, empty rows, GQA) and a tile-by-tile online forward")
 NEGATIVE = ("dV = Pᵀ dO (mask forgotten); dP = dO Vᵀ (mask not applied); δ from the undropped output; "
-            "dS = P̃ ∘ (dP̃ − δ), P reassigned to P̃ (seed 003, Appendix B)")
+            "dS = P̃ ∘ (dP̃ − δ), P reassigned to P̃ (seed 003, Appendix B); the online sum ℓ taken over the "
+            "dropped row")
 
 
 # --8<-- [start:formula]
@@ -113,6 +126,108 @@ def mpmath_route(backward, shapes, seed: int = 29, dps: int = 40) -> bool:
                 if max(abs(mpmath.mpf(got[name][i, j]) - ref[i, j]) for i in range(ref.rows) for j in range(ref.cols)) > tol:
                     return False
     return True
+
+
+CASES = [  # (B, Hq, Hkv, N, M, d, causal)
+    (1, 2, 1, 7, 5, 3, True),   # N > M: the first two rows see no key; GQA 2:1
+    (1, 2, 2, 4, 6, 3, False),  # N < M
+]
+
+
+def _inputs(case, seed, p_drop):
+    """Float64 q, k, v, dO and a fixed keep mask Z (each 1 with probability 1 − p_drop, at least one of each)."""
+    import torch
+
+    b, hq, hkv, n, m, d, causal = case
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, n, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, m, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    do = torch.randn(b, hq, n, d, generator=gen, dtype=torch.float64)
+    z = (torch.rand(b, hq, n, m, generator=gen) >= p_drop).to(torch.float64)
+    z[..., -1, -1], z[..., -1, 0] = 1.0, 0.0  # the last row sees every key when causal: one kept, one dropped
+    return q, k, v, do, z, causal
+
+
+def dropout_attention(q, k, v, z, p_drop, causal):
+    """O = (P ∘ Z / (1 − p_drop)) V by the definition, float64 torch (no flashattn API); returns o, lse, p."""
+    import torch
+
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    n, m = q.shape[2], k.shape[2]
+    s = q.shape[-1] ** -0.5 * q @ k.transpose(-1, -2)
+    if causal:
+        s = s.masked_fill(torch.arange(m)[None, :] > torch.arange(n)[:, None] + (m - n), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # rows with no key: lse = −inf, p = 0
+    return (p * z / (1 - p_drop)) @ v, lse, p
+
+
+def torch_route(backward, seed: int = 3, p_drop: float = 0.25) -> bool:
+    """dQ, dK, dV by float64 autograd through the dropped attention with a fixed Z, against `backward`
+    (run per head on the recomputed P and the stored O) pushed through dQ = τ dS K, dK = τ dSᵀ Q."""
+    import torch
+
+    to_sym = lambda t: sp.Matrix(t.tolist())
+    to_torch = lambda A: torch.tensor([[float(x) for x in row] for row in A.tolist()], dtype=torch.float64)
+    for case in CASES:
+        q, k, v, do, z, causal = _inputs(case, seed, p_drop)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        o, _, p = dropout_attention(q, k, v, z, p_drop, causal)
+        (o * do).sum().backward()
+        group, tau = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        with torch.no_grad():
+            for b in range(q.shape[0]):
+                for h in range(q.shape[1]):
+                    hk = h // group
+                    got = backward(to_sym(p[b, h]), to_sym(z[b, h]), sp.Float(1 - p_drop, 30),
+                                   to_sym(v[b, hk]), to_sym(do[b, h]), to_sym(o[b, h]))
+                    ds = to_torch(got["dS"])
+                    dq[b, h] = tau * ds @ k[b, hk]
+                    dk[b, hk] += tau * ds.T @ q[b, h]
+                    dv[b, hk] += to_torch(got["dV"])
+        if not all(torch.allclose(g, w, atol=1e-12) for g, w in ((q.grad, dq), (k.grad, dk), (v.grad, dv))):
+            return False
+    return True
+
+
+def online_route(sum_dropped: bool = False, seed: int = 4, p_drop: float = 0.25, block_n: int = 2) -> bool:
+    """The forward tile by tile: ℓ sums the undropped exponentials, the accumulator only the kept ones, and
+    1/(1 − p_drop) multiplies once at the end (it is a constant, so it commutes with the rescaling); then
+    O = (P ∘ Z / (1 − p_drop)) V and the LSE is that of S, untouched by Z. `sum_dropped` is the slip of
+    summing ℓ over the dropped row."""
+    import torch
+
+    for case in CASES:
+        q, k, v, _, z, causal = _inputs(case, seed, p_drop)
+        o_ref, lse_ref, _ = dropout_attention(q, k, v, z, p_drop, causal)
+        group = q.shape[1] // k.shape[1]
+        kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        n, m = q.shape[2], k.shape[2]
+        m_i = torch.full(q.shape[:3], float("-inf"), dtype=torch.float64)
+        l_i, acc = torch.zeros_like(m_i), torch.zeros_like(q)
+        for sn in range(0, m, block_n):
+            cols = torch.arange(sn, min(sn + block_n, m))
+            s = q.shape[-1] ** -0.5 * q @ kk[:, :, cols].transpose(-1, -2)
+            if causal:
+                s = s.masked_fill(cols[None, :] > torch.arange(n)[:, None] + (m - n), float("-inf"))
+            m_new = torch.maximum(m_i, s.amax(-1))
+            pivot = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+            e = torch.exp(s - pivot[..., None])
+            kept = e * z[..., cols]  # the mask acts on what enters P V only
+            alpha = torch.exp(m_i - pivot)
+            l_i = l_i * alpha + (kept if sum_dropped else e).sum(-1)
+            acc = acc * alpha[..., None] + kept @ vv[:, :, cols]
+            m_i = m_new
+        empty = l_i == 0
+        o = acc / torch.where(empty, 1.0, l_i)[..., None] / (1 - p_drop)  # 1/(1 − p_drop) once, at the end
+        lse = torch.where(empty, float("-inf"), torch.where(torch.isfinite(m_i), m_i, 0.0)
+                          + torch.log(torch.where(empty, 1.0, l_i)))
+        if not (torch.allclose(o, o_ref, atol=1e-12) and torch.equal(lse.isinf(), lse_ref.isinf())
+                and torch.allclose(lse.nan_to_num(neginf=0.0), lse_ref.nan_to_num(neginf=0.0), atol=1e-12)):
+            return False
+    return True
 # --8<-- [end:numeric]
 
 
@@ -147,6 +262,11 @@ def check() -> CheckResult:
                  lambda: mpmath_route(dropout_backward, NUMERIC_SHAPES))
     ledger.claim("dS = P̃ ∘ (dP̃ − δ) equals the true dS when p_drop = 0 (Z = 1): why running with "
                  "dropout_p = 0 hides it", lambda: p_drop_zero_hides(SYMBOLIC_SHAPES))
+    ledger.claim("float64 torch, fixed mask, p_drop = 1/4: autograd dQ, dK, dV = the kernel's dS = P∘(Z∘dP̃/(1−p_drop) − δ) "
+                 "pushed through τ dS K, τ dSᵀ Q (causal 7×5 with empty rows and GQA 2:1; 4×6)",
+                 lambda: torch_route(dropout_backward))
+    ledger.claim("float64 torch, 2-key tiles: ℓ over the undropped row, accumulator over the dropped one, give "
+                 "O = (P∘Z/(1−p_drop))V and the LSE of S, unchanged by Z", online_route)
     # --8<-- [start:negative]
     def mask_forgotten_in_dv(P, Z, keep, V, dO, O):
         return {**dropout_backward(P, Z, keep, V, dO, O), "dV": P.T * dO}
@@ -174,9 +294,11 @@ def check() -> CheckResult:
                         ("dS = P̃ ∘ (dP̃ − δ) (seed 003, App. B)", ds_from_dropped_p)):
         ledger.control(f"{name}: symbolic", lambda: not symbolic_route(wrong, SYMBOLIC_SHAPES[:1]))
         ledger.control(f"{name}: mpmath", lambda: not mpmath_route(wrong, NUMERIC_SHAPES))
+        ledger.control(f"{name}: torch", lambda: not torch_route(wrong))
+    ledger.control("ℓ summed over the dropped row: torch", lambda: not online_route(sum_dropped=True))
     # --8<-- [end:negative]
     sizes = (f"symbolic {', '.join('x'.join(map(str, s)) for s in SYMBOLIC_SHAPES)}; rational "
              f"{', '.join('x'.join(map(str, s)) for s in RATIONAL_SHAPES)}; mpmath "
-             f"{', '.join('x'.join(map(str, s)) for s in NUMERIC_SHAPES)}")
+             f"{', '.join('x'.join(map(str, s)) for s in NUMERIC_SHAPES)}; torch 7x5x3 causal GQA 2:1, 4x6x3")
     return ledger.result(identity=IDENTITY, method=METHOD, sizes=sizes,
                          negative_control=NEGATIVE, module=__name__)

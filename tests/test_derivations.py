@@ -293,6 +293,7 @@ def test_broken_io_closed_form_is_caught(monkeypatch):
     assert _fails("io_complexity")
 
 
+<<<<<<< ours
 def _interpreter_grads(q, k, v, do):
     """O, dQ, dK, dV of the real kernels under Triton's interpreter, for one (N, d) head."""
     import flashattn
@@ -336,3 +337,55 @@ def test_backward_precision_emulation_matches_the_interpreter_kernels():
         else:
             assert agree(kernels, no_p_ds), (kernels, no_p_ds)
             assert not agree(kernels, full), (kernels, full)
+=======
+# ---------------------------------------------------------------- the variants: formulas broken on purpose
+
+def test_broken_softcap_is_caught(monkeypatch):
+    from derivations import softcap as mod
+
+    real = mod.softcap_backward
+
+    def derivative_at_capped_score(S, c, P, dP, delta, tanh=mod.sp.tanh):
+        capped = S.applyfunc(lambda s: c * tanh(s / c)) if hasattr(S, "applyfunc") else c * tanh(S / c)
+        return real(capped, c, P, dP, delta, tanh)
+
+    monkeypatch.setattr(mod, "softcap_backward", derivative_at_capped_score)
+    assert _fails("softcap")
+
+
+def test_broken_alibi_bias_is_caught(monkeypatch):
+    from derivations import alibi as mod
+
+    monkeypatch.setattr(mod, "tile_bias", lambda rows, cols, slope, n, m: -slope * abs(rows - cols))  # top-left
+    assert _fails("alibi")
+
+
+def test_broken_alibi_gradient_is_caught(monkeypatch):
+    from derivations import _common, alibi as mod
+
+    monkeypatch.setattr(mod, "score_grad", lambda P, dO, V: _common.hadamard(P, dO * V.T))  # δ dropped
+    assert _fails("alibi")
+
+
+def test_broken_dropout_kernel_form_is_caught(monkeypatch):
+    """The kernel's dS = P∘(Z∘dP̃/(1−p_drop) − δ) with the mask's rescale forgotten fails the float64 check too."""
+    from derivations import _common, dropout as mod
+
+    real = mod.dropout_backward
+
+    def no_rescale(P, Z, keep, V, dO, O):
+        dP = _common.hadamard(dO * V.T, Z)
+        D = _common.rowsum(_common.hadamard(dO, O))
+        return {**real(P, Z, keep, V, dO, O), "dS": _common.hadamard(P, dP - _common.broadcast_rows(D, P.cols))}
+
+    monkeypatch.setattr(mod, "dropout_backward", no_rescale)
+    assert not mod.torch_route(mod.dropout_backward)
+    assert _fails("dropout")
+
+
+def test_broken_window_count_is_caught(monkeypatch):
+    from derivations import sliding_window as mod
+
+    monkeypatch.setattr(mod, "row_count", lambda i, n, m, left, right: min(left + right + 1, m))  # no cut at 0
+    assert _fails("sliding_window")
+>>>>>>> theirs

@@ -225,7 +225,7 @@ def test_notebooks_were_executed(site):
 
 @slow
 def test_figures_are_built(site):
-    for name in ("causal-schedule", "tiling", "pointer-offsets", "masking"):
+    for name in ("causal-schedule", "window-schedule", "tiling", "pointer-offsets", "masking"):
         svg = site / "figures" / f"{name}.svg"
         assert svg.is_file() and svg.stat().st_size > 10_000, name
 
@@ -240,6 +240,18 @@ def test_causal_figure_follows_the_schedule(monkeypatch):
     monkeypatch.setattr(schedule, "block_grid",
                         lambda n, m, bm, bn, causal: [[schedule.FULL] * -(-m // bn)] * -(-n // bm))
     assert figures.causal_schedule() != before
+
+
+def test_window_figure_follows_the_schedule(monkeypatch):
+    """The window figure is drawn from flashattn.schedule.block_grid(..., window=...): changing it changes the figure."""
+    sys.path.insert(0, str(DOCS / "hooks"))
+    import figures
+    from flashattn import schedule
+
+    before = figures.window_schedule()
+    monkeypatch.setattr(schedule, "block_grid",
+                        lambda n, m, bm, bn, causal, window=None: [[schedule.FULL] * -(-m // bn)] * -(-n // bm))
+    assert figures.window_schedule() != before
 
 
 @slow

@@ -71,8 +71,11 @@ def _grid_axes(ax, n, m, block_m, block_n, title):
     ax.set_title(title, fontsize=10)
 
 
-def _draw_schedule(ax, n, m, block_m, block_n, causal, title):
-    grid = schedule.block_grid(n, m, block_m, block_n, causal)
+def _draw_schedule(ax, n, m, block_m, block_n, causal, title, window=None):
+    if window is None:
+        grid = schedule.block_grid(n, m, block_m, block_n, causal)
+    else:
+        grid = schedule.block_grid(n, m, block_m, block_n, causal, window=window)
     for bi, row in enumerate(grid):
         for bj, kind in enumerate(row):
             sm, sn = bi * block_m, bj * block_n
@@ -105,6 +108,39 @@ def causal_schedule() -> str:
     fig.legend(handles, [LABELS[k] for k in COLORS], loc="lower center", ncol=3, frameon=False,
                bbox_to_anchor=(0.5, -0.04))
     fig.suptitle("Causal block schedule (64 × 64 tiles); dashed: the edge of the visible keys", y=1.08)
+    return _svg(fig)
+
+
+def window_schedule() -> str:
+    """Which tiles a sliding window runs, masks and skips, for four shapes and windows."""
+    bm = bn = 64
+    cases = [  # (N, M, causal, window, title)
+        (512, 512, True, (128, None), "N = M = 512, causal, left 128"),
+        (512, 512, False, (64, 64), "N = M = 512, window (64, 64)"),
+        (192, 576, True, (256, None), "N = 192 < M = 576, causal, left 256"),
+        (300, 300, False, (100, 30), "N = M = 300, window (100, 30)"),
+    ]
+    fig, axes = plt.subplots(1, 4, figsize=(15, 4.6))
+    for ax, (n, m, causal, window, title) in zip(axes, cases):
+        grid = schedule.block_grid(n, m, bm, bn, causal, window=window)
+        total = sum(len(r) for r in grid)
+        full = sum(r.count(schedule.FULL) for r in grid)
+        ran = total - sum(r.count(schedule.SKIPPED) for r in grid)
+        _draw_schedule(ax, n, m, bm, bn, causal, f"{title}\n{ran}/{total} tiles run, {full} unmasked",
+                       window=window)
+        # The window's edges: query i sees keys i + (M - N) - left <= j <= i + (M - N) + right.
+        i = np.array([0, n])
+        left, right = window
+        if left is not None:
+            ax.plot(i + (m - n) - left, i, color="black", lw=1.2, ls=":")
+        if right is not None and not causal:
+            ax.plot(i + (m - n) + right + 1, i, color="black", lw=1.2, ls="--")
+    handles = [Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in COLORS]
+    labels = {**LABELS, schedule.MASKED: "masked: a window edge or the ragged edge"}
+    fig.legend(handles, [labels[k] for k in COLORS], loc="lower center", ncol=3, frameon=False,
+               bbox_to_anchor=(0.5, -0.04))
+    fig.suptitle("Sliding-window block schedule (64 × 64 tiles); dotted: left edge, dashed: right edge "
+                 "(the causal diagonal when causal)", y=1.08)
     return _svg(fig)
 
 
@@ -407,6 +443,7 @@ FIGURES = {
     "dataflow": dataflow,
     "online-rescaling": online_rescaling,
     "causal-schedule": causal_schedule,
+    "window-schedule": window_schedule,
     "tiling": tiling,
     "pointer-offsets": pointer_offsets,
     "masking": masking,
