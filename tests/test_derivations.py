@@ -293,7 +293,6 @@ def test_broken_io_closed_form_is_caught(monkeypatch):
     assert _fails("io_complexity")
 
 
-<<<<<<< ours
 def _interpreter_grads(q, k, v, do):
     """O, dQ, dK, dV of the real kernels under Triton's interpreter, for one (N, d) head."""
     import flashattn
@@ -337,7 +336,7 @@ def test_backward_precision_emulation_matches_the_interpreter_kernels():
         else:
             assert agree(kernels, no_p_ds), (kernels, no_p_ds)
             assert not agree(kernels, full), (kernels, full)
-=======
+
 # ---------------------------------------------------------------- the variants: formulas broken on purpose
 
 def test_broken_softcap_is_caught(monkeypatch):
@@ -388,4 +387,3 @@ def test_broken_window_count_is_caught(monkeypatch):
 
     monkeypatch.setattr(mod, "row_count", lambda i, n, m, left, right: min(left + right + 1, m))  # no cut at 0
     assert _fails("sliding_window")
->>>>>>> theirs
