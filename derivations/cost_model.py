@@ -192,14 +192,35 @@ def _is_dot(node) -> bool:
             and isinstance(node.func.value, ast.Name) and node.func.value.id == "tl")
 
 
+# The constexpr switches of the variants (flashattn._triton): a branch on them is compiled only when the
+# variant is on, so the plain attention this page counts takes the branch they select when all are off.
+VARIANT_FLAGS = ("HAS_WINDOW", "SOFTCAP", "ALIBI", "DROPOUT", "VARLEN")
+
+
+def _plain_walk(node):
+    """``ast.walk`` of ``node`` that enters, at each ``if`` on the variants' flags alone, only the branch
+    plain attention compiles (every flag False); other ``if``s are walked on both sides."""
+    yield node
+    if isinstance(node, ast.If):
+        names = {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)}
+        if names and names <= set(VARIANT_FLAGS):
+            taken = eval(compile(ast.Expression(node.test), "<test>", "eval"), {}, dict.fromkeys(names, False))
+            for child in (node.body if taken else node.orelse):
+                yield from _plain_walk(child)
+            return
+    for child in ast.iter_child_nodes(node):
+        yield from _plain_walk(child)
+
+
 def dots_in_loop(source: str, name: str) -> list[str]:
-    """The tile each `tl.dot` in the `for` loop of function `name` feeds (its assignment target)."""
+    """The tile each `tl.dot` in the `for` loop of function `name` feeds (its assignment target), on the
+    path plain attention compiles (:data:`VARIANT_FLAGS` off)."""
     (loop,) = [n for n in ast.walk(_function(source, name)) if isinstance(n, ast.For)]
     found = []
-    for stmt in ast.walk(loop):
+    for stmt in _plain_walk(loop):
         if isinstance(stmt, (ast.Assign, ast.AugAssign)):
             target = stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target
-            found += [ast.unparse(target)] * sum(_is_dot(n) for n in ast.walk(stmt.value))
+            found += [ast.unparse(target)] * sum(_is_dot(n) for n in _plain_walk(stmt.value))
     return found
 
 
