@@ -94,8 +94,10 @@ def unpad(x, lengths) -> torch.Tensor:
 
 
 def prepare(name, q, k, v, lengths, causal):
-    """``(fn, checked)``: fn() returns the packed output (total, H, D) and is differentiable in q, k, v;
-    ``checked`` says whether that output is attention by sequence (padded non-causal is not)."""
+    """``(fn, checked, inputs)``: fn() returns the packed output (total, H, D), differentiable in
+    ``inputs``; ``checked`` says whether that output is attention by sequence (padded non-causal is
+    not). The padded providers get padded copies of q, k, v as leaves of their own (a padded pipeline
+    holds its data padded already), so the padding copy is not timed."""
     import flashattn
 
     cu_list = [0, *torch.tensor(lengths).cumsum(0).tolist()]
@@ -103,7 +105,7 @@ def prepare(name, q, k, v, lengths, causal):
         cu = torch.tensor(cu_list, dtype=torch.int32, device=q.device)
         longest = max(lengths)
         return (lambda: flashattn.attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal,
-                                                   validate=False)), True
+                                                   validate=False)), True, (q, k, v)
     if name == "flex_document":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -115,10 +117,10 @@ def prepare(name, q, k, v, lengths, causal):
         torch._dynamo.reset()
         compiled = torch.compile(flex_attention, dynamic=False)
         view = (lambda x: x.transpose(0, 1)[None])  # (total, H, D) -> (1, H, total, D), no copy
-        return (lambda: compiled(view(q), view(k), view(v), block_mask=block_mask)[0].transpose(0, 1)), True
-    qp, kp, vp = (pad(x, lengths, cu_list).requires_grad_(x.requires_grad) for x in (q, k, v))
+        return (lambda: compiled(view(q), view(k), view(v), block_mask=block_mask)[0].transpose(0, 1)), True, (q, k, v)
+    qp, kp, vp = (pad(x.detach(), lengths, cu_list).requires_grad_() for x in (q, k, v))
     if name == "flashattn_padded":
-        return (lambda: unpad(flashattn.attention(qp, kp, vp, causal=causal), lengths)), causal
+        return (lambda: unpad(flashattn.attention(qp, kp, vp, causal=causal), lengths)), causal, (qp, kp, vp)
     if name == "sdpa_flash_padded":
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -126,7 +128,7 @@ def prepare(name, q, k, v, lengths, causal):
         def fn():
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 return unpad(F.scaled_dot_product_attention(qp, kp, vp, is_causal=causal), lengths)
-        return fn, causal
+        return fn, causal, (qp, kp, vp)
     raise ValueError(f"unknown provider {name!r}")
 
 
@@ -162,14 +164,14 @@ def run(packs: int, head_dims, providers, device) -> dict:
                 for name in providers:
                     row = {"pack": seed, "lengths": lengths, "D": d, "heads": heads, "causal": causal, "provider": name}
                     try:
-                        fn, checked = prepare(name, q, k, v, lengths, causal)
+                        fn, checked, inputs = prepare(name, q, k, v, lengths, causal)
                         row["checked"] = checked
                         if checked:
                             row["check"] = check(fn().detach(), q.detach(), k.detach(), v.detach(), lengths, causal)
                         fwd_ms = _bench(fn)
 
                         def fwd_bwd():
-                            torch.autograd.grad(fn(), (q, k, v), do)
+                            torch.autograd.grad(fn(), inputs, do)
                         total_ms = _bench(fwd_bwd)
                         row.update(status="ok", fwd_ms=fwd_ms, fwd_bwd_ms=total_ms,
                                    fwd_tflops=pack_flops(lengths, heads, d, causal, "fwd") / (fwd_ms * 1e-3) / 1e12,

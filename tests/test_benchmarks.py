@@ -884,13 +884,16 @@ def test_varlen_padding_round_trips_and_providers_agree_on_the_cpu():
     from benchmarks import varlen
 
     lengths = [9, 20, 4]
-    q, k, v = (torch.randn(33, 2, 16, dtype=torch.float16) for _ in range(3))
+    q, k, v = (torch.randn(33, 2, 16, dtype=torch.float16).requires_grad_() for _ in range(3))
     cu = [0, 9, 29, 33]
-    assert torch.equal(varlen.unpad(varlen.pad(q, lengths, cu), lengths), q)
+    assert torch.equal(varlen.unpad(varlen.pad(q.detach(), lengths, cu), lengths), q.detach())
+    do = torch.randn(33, 2, 16, dtype=torch.float16)
     for name in ("flashattn", "flashattn_padded"):
-        fn, checked = varlen.prepare(name, q, k, v, lengths, True)
+        fn, checked, inputs = varlen.prepare(name, q, k, v, lengths, True)
         assert checked
-        assert varlen.check(fn(), q, k, v, lengths, True)["passed"], name
+        assert varlen.check(fn().detach(), q.detach(), k.detach(), v.detach(), lengths, True)["passed"], name
+        for _ in range(2):  # the timer repeats forward + backward: the second must find its graph again
+            assert all(g is not None for g in torch.autograd.grad(fn(), inputs, do))
     assert varlen.prepare("flashattn_padded", q, k, v, lengths, False)[1] is False  # padding keys: timing only
 # -- the variants section (benchmarks.variants) on a CPU, with a fake timer ---------------------------------
 
