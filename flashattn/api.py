@@ -33,12 +33,15 @@ def check_dtype_for_device(q, names: str) -> None:
         raise ValueError(f"{names} must be on a CUDA device or the CPU, got {q.device}")
 
 
-def _check_inputs(q, k, v, causal, scale):
+def check_tensors(q, k, v, q_layout: str, kv_layout: str) -> None:
+    """The checks every entry point makes of q, k, v: tensors of the layouts' rank, floating point, one
+    dtype, one device, k and v alike. ``q_layout``/``kv_layout`` name the dims, e.g. "(B, Hq, N, D)"."""
+    dims = q_layout.count(",") + 1
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 4:
-            raise ValueError(f"{name} must be 4-D ({'B, Hq, N, D' if name == 'q' else 'B, Hkv, M, D'}), got shape {tuple(x.shape)}")
+        if x.dim() != dims:
+            raise ValueError(f"{name} must be {dims}-D {q_layout if name == 'q' else kv_layout}, got shape {tuple(x.shape)}")
         if not x.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -46,7 +49,11 @@ def _check_inputs(q, k, v, causal, scale):
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (B, Hkv, M, D), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+        raise ValueError(f"k and v must have the same shape {kv_layout}, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+
+
+def _check_inputs(q, k, v, causal, scale):
+    check_tensors(q, k, v, "(B, Hq, N, D)", "(B, Hkv, M, D)")
     b, h_q, n, d = q.shape
     _, h_kv, m, d_k = k.shape
     if k.shape[0] != b:

@@ -16,7 +16,7 @@ import numbers
 
 import torch
 
-from flashattn.api import MAX_HEAD_DIM, MIN_HEAD_DIM, check_dtype_for_device
+from flashattn.api import MAX_HEAD_DIM, MIN_HEAD_DIM, check_dtype_for_device, check_tensors
 from flashattn.autograd import VarlenFunction
 from flashattn.ops import use_kernels
 from flashattn.problem import Problem
@@ -27,20 +27,7 @@ def _is_int(x) -> bool:
 
 
 def _check_tensors(q, k, v):
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 3:
-            layout = "(total_q, Hq, D)" if name == "q" else "(total_k, Hkv, D)"
-            raise ValueError(f"{name} must be 3-D {layout}, got shape {tuple(x.shape)}")
-        if not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (total_k, Hkv, D), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    check_tensors(q, k, v, "(total_q, Hq, D)", "(total_k, Hkv, D)")
     _, h_q, d = q.shape
     _, h_kv, d_k = k.shape
     if d_k != d:
