@@ -132,16 +132,20 @@ def current_tuning() -> Tuning:
     return _TUNING.get()
 
 
-@contextlib.contextmanager
-def tuning_of(state: Tuning):
+class tuning_of:
     """Run the ``with`` block under a :class:`Tuning` captured earlier. The autograd engine runs a
     CUDA backward on its own thread, where :func:`tuning` of the caller is not set, so the forward
-    captures the state and the backward restores it."""
-    token = _TUNING.set(state)
-    try:
-        yield
-    finally:
-        _TUNING.reset(token)
+    captures the state and the backward restores it. (A class, not a generator: every backward
+    enters one, and a short call feels the difference.)"""
+
+    def __init__(self, state: Tuning):
+        self.state = state
+
+    def __enter__(self):
+        self.token = _TUNING.set(self.state)
+
+    def __exit__(self, *exc_info):
+        _TUNING.reset(self.token)
 
 
 @contextlib.contextmanager

@@ -242,10 +242,55 @@ def tile_desc(x: torch.Tensor, rows: int, block_d: int):
     Made on the host per launch, so no program spends time building one; ``x`` must pass
     :func:`describable` (the launchers call :func:`addressable` first). Rows past L and columns past
     D load as zeros: the bounds are per dimension, so a tile never runs into the next head.
+
+    On a GPU the descriptor is filled in directly, without the checks Triton's constructor repeats on
+    every call (alignment, strides, block shape): :func:`describable` has made them, and they cost a
+    short call microseconds per tensor. Under the interpreter, where the tests run, every descriptor
+    goes through the checking constructor.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, block_d])
+    shape, strides, block = list(x.shape), list(x.stride()), [1, 1, rows, block_d]
+    defaults = _descriptor_defaults()
+    if defaults is None or _config.is_interpreter():
+        return TensorDescriptor(x, shape, strides, block)
+    desc = object.__new__(TensorDescriptor)
+    vars(desc).update(defaults, base=x, shape=shape, strides=strides, block_shape=block)
+    return desc
+
+
+@functools.lru_cache(maxsize=None)
+def _descriptor_defaults() -> dict | None:
+    """The optional fields of Triton's ``TensorDescriptor`` with their defaults, or None when it is not
+    the plain dataclass of base, shape, strides and block shape this module fills in (then every
+    descriptor takes the constructor)."""
+    import dataclasses
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if not dataclasses.is_dataclass(TensorDescriptor) or hasattr(TensorDescriptor, "__slots__"):
+        return None
+    fields = dataclasses.fields(TensorDescriptor)
+    if [f.name for f in fields[:4]] != ["base", "shape", "strides", "block_shape"]:
+        return None
+    if any(f.default is dataclasses.MISSING for f in fields[4:]):
+        return None
+    return {f.name: f.default for f in fields[4:]}
+
+
+class Descriptors:
+    """The tile descriptors of one launcher call, each made once: the backward's two kernels read q, k,
+    v and dO through the same descriptors when their block shapes agree."""
+
+    def __init__(self, block_d: int):
+        self.block_d, self.made = block_d, {}
+
+    def __call__(self, x: torch.Tensor, rows: int):
+        key = (id(x), rows)  # x stays alive for the whole call, so its id is not reused meanwhile
+        desc = self.made.get(key)
+        if desc is None:
+            desc = self.made[key] = tile_desc(x, rows, self.block_d)
+        return desc
 
 
 # --8<-- [start:launch]
@@ -260,25 +305,29 @@ def _unspecialized(kernel) -> frozenset:
     return frozenset(p.num for p in getattr(kernel, "params", ()) if getattr(p, "do_not_specialize", False))
 
 
+def _current_device() -> int:
+    get = getattr(torch._C, "_cuda_getDevice", None)  # torch.cuda.current_device without its lazy-init check
+    return get() if get is not None else torch.cuda.current_device()
+
+
 def _signature(kernel, args: tuple, constexprs: dict, options: dict) -> tuple:
     """Everything Triton's specialization of ``kernel`` can depend on, and more: the value of every
     integer, the dtype, strides and 16-byte alignment of every tensor (and of every descriptor's
-    tensor, with its block shape), the constexprs, the options and the device."""
-    key = [kernel, torch.cuda.current_device(), *constexprs.values(), *options.values()]
+    tensor, with its shape and block shape), the constexprs, the options and the device."""
+    key = [kernel, _current_device(), *constexprs.values(), *options.values()]
     unspecialized = _unspecialized(kernel)
     for index, a in enumerate(args):
         kind = type(a)
-        if kind is int and index in unspecialized:
-            key.append(-2**31 <= a < 2**31)  # only the integer's width reaches the compiled kernel
-        elif kind is int:
-            key.append(a)
+        if kind is int:
+            # only the width of an unspecialized integer reaches the compiled kernel
+            key.append(a if index not in unspecialized else -2**31 <= a < 2**31)
         elif kind is float:
             key.append(float)  # floats are never specialized on their value
         elif isinstance(a, torch.Tensor):
             key.append((a.dtype, a.stride(), a.data_ptr() % 16))
-        else:  # a tensor descriptor
-            base = a.base
-            key.append((base.dtype, base.stride(), base.data_ptr() % 16, tuple(a.shape), tuple(a.block_shape)))
+        else:  # a tensor descriptor: its shape and strides are integers the kernel is specialized on
+            key.append((a.base.dtype, tuple(a.strides), a.base.data_ptr() % 16, tuple(a.shape),
+                        tuple(a.block_shape)))
     return tuple(key)
 
 
@@ -291,7 +340,7 @@ def launch(kernel, grid, args: tuple, constexprs: dict, options: dict) -> None:
     kernel Triton compiled for it. ``constexprs`` must follow the kernel's parameter order. The
     interpreter always takes Triton's own path.
     """
-    grid = (grid,) if isinstance(grid, int) else tuple(grid)
+    grid = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
     if type(kernel).__name__ == "InterpretedFunction":  # jitted while TRITON_INTERPRET was set
         kernel[grid](*args, **constexprs, **options)
         return
@@ -299,7 +348,7 @@ def launch(kernel, grid, args: tuple, constexprs: dict, options: dict) -> None:
     compiled = _COMPILED.get(signature) if _FAST_LAUNCH[0] else None
     if compiled is not None:
         try:
-            compiled[grid + (1,) * (3 - len(grid))](*args, *constexprs.values())
+            compiled[grid](*args, *constexprs.values())
             return
         except (AttributeError, TypeError):  # an older or newer Triton: keep its own launch path
             _FAST_LAUNCH[0] = False

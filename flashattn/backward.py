@@ -25,6 +25,7 @@ import triton.language as tl
 from flashattn import _config
 from flashattn._triton import (
     LOG2E,
+    Descriptors,
     addressable,
     backward_query_range,
     dense_like,
@@ -36,7 +37,6 @@ from flashattn._triton import (
     packed_tile,
     program_tile,
     score_mods,
-    tile_desc,
     tile_mask,
     tile_offsets,
     variant_args,
@@ -392,6 +392,16 @@ def _bwd_dq_kernel(
 
 
 _SIDE_STREAMS: dict = {}
+OVERLAP_MIN_WORK = 2**32  # B * Hq * N * M * D below which dQ runs after dK/dV on one stream
+
+
+def worth_a_second_stream(problem: Problem) -> bool:
+    """Whether running dQ beside dK/dV can gain anything: only when the kernels take long enough for
+    a ragged last wave to matter. A short call is bound by the host, and the two stream switches cost
+    it more than the overlap can give back."""
+    p = problem
+    rows, keys = (p.total_q, p.m) if p.varlen else (p.batch * p.n, p.m)  # varlen: m is the longest sequence's
+    return rows * p.heads_q * keys * p.head_dim >= OVERLAP_MIN_WORK
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -432,8 +442,7 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
     lse = lse.contiguous()
     if not p.varlen:
         dq, dk, dv = dq_view, dk_view, dv_view = dense_like(q), dense_like(k), dense_like(v)
-    delta = torch.empty((batch, p.heads_q, n_q), dtype=torch.float32, device=q.device)
-    lse2 = torch.empty_like(delta)
+    delta, lse2 = torch.empty((2, batch, p.heads_q, n_q), dtype=torch.float32, device=q.device).unbind(0)
     if not p.varlen:
         cu_q = cu_k = delta  # never read: VARLEN is off
     has_dlse = dlse is not None
@@ -445,11 +454,12 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
             p.heads_q, n_q, n_rows),
            dict(HAS_DLSE=has_dlse, HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=block), {})
 
+    desc = Descriptors(p.block_d)  # shared by the two kernels where their tiles agree
+
     def run_dkdv(plan: _config.Plan):
         cfg = plan.config
         offsets = tile_offsets(cu_k, cfg.block_n) if p.varlen else delta
-        args = (tile_desc(q, cfg.block_m, p.block_d), tile_desc(k, cfg.block_n, p.block_d),
-                tile_desc(v, cfg.block_n, p.block_d), tile_desc(do, cfg.block_m, p.block_d),
+        args = (desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(do, cfg.block_m),
                 lse2, delta, dk_view, dv_view,
                 dk_view.stride(0), dk_view.stride(1), dk_view.stride(2),
                 dv_view.stride(0), dv_view.stride(1), dv_view.stride(2),
@@ -460,8 +470,7 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
     def run_dq(plan: _config.Plan):
         cfg = plan.config
         offsets = tile_offsets(cu_q, cfg.block_m) if p.varlen else delta
-        args = (tile_desc(q, cfg.block_m, p.block_d), tile_desc(k, cfg.block_n, p.block_d),
-                tile_desc(v, cfg.block_n, p.block_d), tile_desc(do, cfg.block_m, p.block_d),
+        args = (desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(do, cfg.block_m),
                 lse2, delta, dq_view, dq_view.stride(0), dq_view.stride(1), dq_view.stride(2),
                 p.heads_q, p.group, n_q, n_k, p.qk_scale, p.scale, plan.n_blocks, plan.heads_per_group,
                 cu_q, cu_k, offsets, p.batch, *variant_args(p, alibi_slopes, seed, delta))
@@ -475,7 +484,7 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
         # autotuning (opt-in) times candidate configs through the same launches
         plan_dkdv = _config.plan("bwd_dkdv", p, device, lambda c: run_dkdv(_config.plan_for("bwd_dkdv", p, device, c)))
         plan_dq = _config.plan("bwd_dq", p, device, lambda c: run_dq(_config.plan_for("bwd_dq", p, device, c)))
-    if _config.current_tuning().overlap_dq and q.is_cuda:
+    if _config.current_tuning().overlap_dq and q.is_cuda and worth_a_second_stream(p):
         # The two kernels read the same inputs and write disjoint outputs, so they may run side by
         # side: on a second stream the dQ programs fill the SMs that the last wave of dK/dV leaves
         # idle. The current stream waits for the side stream before anything after this call runs,

@@ -31,6 +31,7 @@ from flashattn import _config
 from flashattn._triton import (
     LN2,
     LOG2E,
+    Descriptors,
     addressable,
     dense_like,
     dropout_keep,
@@ -41,7 +42,6 @@ from flashattn._triton import (
     packed_tile,
     program_tile,
     score_mods,
-    tile_desc,
     tile_mask,
     tile_offsets,
     variant_args,
@@ -268,8 +268,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem
     def run(plan: _config.Plan):
         cfg = plan.config
         offsets = tile_offsets(cu_q, cfg.block_m) if p.varlen else lse
-        args = (tile_desc(q, cfg.block_m, p.block_d), tile_desc(k, cfg.block_n, p.block_d),
-                tile_desc(v, cfg.block_n, p.block_d), o_view, lse,
+        desc = Descriptors(p.block_d)
+        args = (desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), o_view, lse,
                 o_view.stride(0), o_view.stride(1), o_view.stride(2),
                 p.heads_q, p.group, n_q, n_k, p.qk_scale, plan.n_blocks, plan.heads_per_group,
                 cu_q, cu_k, offsets, p.batch, *variant_args(p, alibi_slopes, seed, lse))

@@ -223,6 +223,44 @@ def test_inputs_descriptors_cannot_read_are_copied(causal):
     assert _describable(aligned) and _addressable(aligned) is aligned  # no copy when none is needed
 
 
+def test_fast_descriptor_is_the_checked_one(monkeypatch):
+    """Off the interpreter, tile_desc fills Triton's TensorDescriptor in without its constructor's
+    checks; every field must equal what the checking constructor makes, for dense and strided views."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from flashattn import _config, _triton
+
+    assert _triton._descriptor_defaults() is not None  # this Triton takes the fast path
+    base = torch.randn(2, 24, 3, 64, dtype=torch.float16)
+    views = (torch.randn(2, 3, 24, 64, dtype=torch.float16), base.transpose(1, 2), base[:, 8:].transpose(1, 2))
+    monkeypatch.setattr(_config, "is_interpreter", lambda: False)
+    for x in views:
+        assert _triton.describable(x)
+        fast = _triton.tile_desc(x, 16, 64)
+        checked = TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 16, 64])
+        assert type(fast) is TensorDescriptor and fast.base is x
+        assert {k: v for k, v in vars(fast).items() if k != "base"} == {
+            k: v for k, v in vars(checked).items() if k != "base"}
+    desc = _triton.Descriptors(64)
+    q = views[0]
+    assert desc(q, 16) is desc(q, 16) and desc(q, 32) is not desc(q, 16)
+    assert desc(views[1], 16) is not desc(q, 16)
+
+
+def test_second_stream_only_for_long_backwards():
+    """dQ runs beside dK/dV only when the work is large enough for the overlap to pay."""
+    from flashattn.backward import OVERLAP_MIN_WORK, worth_a_second_stream
+
+    def problem(b, h, n, d):
+        q = torch.empty(b, h, n, d, device="meta")
+        return Problem.of(q, q, True, None)
+
+    assert not worth_a_second_stream(problem(1, 16, 512, 64))  # a short call: one stream
+    assert worth_a_second_stream(problem(32, 32, 512, 64))  # the grid's shortest setting keeps it
+    assert worth_a_second_stream(problem(1, 16, 16384, 128))
+    assert 1 * 16 * 512 * 512 * 64 < OVERLAP_MIN_WORK <= 32 * 32 * 512 * 512 * 64
+
+
 def test_outputs_keep_the_input_layout():
     """A (B, N, H, D) view gives o and dq in (B, N, H, D) memory too: no hidden transposing copy."""
     b, h, n, d = (2, 4, 256, 64) if HAS_CUDA else (1, 2, 20, 16)
