@@ -152,18 +152,37 @@ def _fmt_bytes(b) -> str:
     return f"{b / 2**20:,.0f} MiB" if b < 2**30 else f"{b / 2**30:,.2f} GiB"
 
 
+def code_identity(env: dict) -> str:
+    """The sentence that says which code a run measured. The hash of the package's sources, taken where
+    the run ran, is the identity; the git commit the run recorded is named only where its own sources
+    hash the same (a copied checkout can carry a stale HEAD). Where it does not, the local history is
+    searched for the commit that holds those sources."""
+    from benchmarks.run import commit_with_sources, sources_sha256_at
+
+    sources, commit = env.get("flashattn_sources_sha256"), env.get("git_commit")
+    if not sources:  # schema-1 files: a commit that could be stale, and nothing to check it against
+        return ""
+    matches = env.get("git_commit_is_sources")
+    if matches is None and commit:
+        at_commit = sources_sha256_at(commit)
+        matches = None if at_commit is None else at_commit == sources
+    if matches:
+        dirty = " with uncommitted changes under `flashattn/`" if env.get("git_flashattn_dirty") else ""
+        return f"The package measured: git commit `{commit[:12]}`{dirty}, sources SHA-256 `{sources[:16]}`."
+    if matches is None:
+        return f"The package measured: sources SHA-256 `{sources[:16]}` (git commit recorded: `{str(commit)[:12]}`, unchecked)."
+    found = commit_with_sources(sources)
+    if found:
+        return (f"The package measured: sources SHA-256 `{sources[:16]}`, the `flashattn/` of commit `{found[:12]}` "
+                f"(the run's own git metadata named `{str(commit)[:12]}`, which holds other sources).")
+    return (f"The package measured: sources SHA-256 `{sources[:16]}`, held by no recent commit (the run's git "
+            f"metadata named `{str(commit)[:12]}`, which holds other sources).")
+
+
 def summary_markdown(results) -> str:
     env, cfg = results["environment"], results["config"]
     out = ["## Benchmark results", ""]
-    code = ""
-    # Only with the sources' hash: schema-1 files recorded a commit that could be stale.
-    if env.get("git_commit") and env.get("flashattn_sources_sha256"):
-        code = f" The package measured: git commit `{env['git_commit'][:12]}`"
-        if env.get("git_flashattn_dirty"):
-            code += " with uncommitted changes under `flashattn/`"
-        if env.get("flashattn_sources_sha256"):
-            code += f", sources SHA-256 `{env['flashattn_sources_sha256'][:16]}`"
-        code += "."
+    code = " " + code_identity(env) if code_identity(env) else ""
     out.append(f"Measured on **{env['gpu']}** (driver {env.get('driver')}, CUDA {env.get('cuda')}, "
                f"cuDNN {env.get('cudnn')}) with torch {env['torch']} and triton {env['triton']}, "
                f"{env['date']}, in one run of `python -m benchmarks.run`"
@@ -373,9 +392,7 @@ def _latency_markdown(results) -> list[str]:
     if lat_env and (lat_env.get("date"), lat_env.get("flashattn_sources_sha256")) != (
             env.get("date"), env.get("flashattn_sources_sha256")):
         measured = (f"Measured in a separate run on **{lat_env.get('gpu')}** with torch {lat_env.get('torch')} and "
-                    f"triton {lat_env.get('triton')}, {lat_env.get('date')}, git commit "
-                    f"`{str(lat_env.get('git_commit'))[:12]}`, sources SHA-256 "
-                    f"`{str(lat_env.get('flashattn_sources_sha256'))[:16]}`. ")
+                    f"triton {lat_env.get('triton')}, {lat_env.get('date')}. {code_identity(lat_env)} ")
     out = ["", "### Per-call latency at small shapes", "",
            measured + f"Time per call as a user sees it, host and GPU together: {cfg.get('timer', '')}; loops of about "
            f"{cfg.get('target_ms', '—')} ms, {cfg.get('repeats', '—')} repeats. Forward: {cfg['forward']}. "

@@ -240,6 +240,9 @@ def _driver_version() -> str | None:
         return None
 
 
+REPO_ROOT = Path(__file__).resolve().parent.parent  # git runs here: "flashattn" pathspecs are relative to it
+
+
 def sources_sha256(package_dir) -> str:
     """One hash of every ``.py`` file of a package (relative paths and bytes, sorted): the identity of the
     code a run measured, which a stale or dirty git checkout cannot misreport."""
@@ -250,10 +253,43 @@ def sources_sha256(package_dir) -> str:
     return digest.hexdigest()
 
 
+def sources_sha256_at(commit: str, repo=None) -> str | None:
+    """:func:`sources_sha256` of ``flashattn/`` as ``commit`` holds it (read with ``git archive``, nothing
+    checked out), or None where there is no git history or no such commit. Equal to the hash of the
+    imported package exactly when that commit describes the code that ran."""
+    import io
+    import tarfile
+
+    try:
+        res = subprocess.run(["git", "archive", "--format=tar", commit, "flashattn"], capture_output=True,
+                             timeout=30, cwd=repo or REPO_ROOT)
+    except Exception:  # noqa: BLE001 -- no git
+        return None
+    if res.returncode != 0:
+        return None
+    files = {}
+    with tarfile.open(fileobj=io.BytesIO(res.stdout)) as tar:
+        for member in tar.getmembers():
+            if member.isfile() and member.name.endswith(".py"):
+                files[member.name.removeprefix("flashattn/")] = tar.extractfile(member).read()
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + files[name] + b"\0")
+    return digest.hexdigest()
+
+
+def commit_with_sources(sha256: str, max_count: int = 200, repo=None) -> str | None:
+    """The newest of the last ``max_count`` commits whose ``flashattn/`` hashes to ``sha256``, or None."""
+    log = _git("log", f"--max-count={max_count}", "--format=%H", "--", "flashattn", cwd=repo)
+    for commit in (log or "").split():
+        if sources_sha256_at(commit, repo) == sha256:
+            return commit
+    return None
+
+
 def _git(*args, cwd=None) -> str | None:
     try:
-        res = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                             cwd=cwd or Path(__file__).resolve().parent)
+        res = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=cwd or REPO_ROOT)
         return res.stdout.strip() if res.returncode == 0 else None
     except Exception:  # noqa: BLE001 -- no git, or not a checkout
         return None
@@ -271,6 +307,10 @@ def environment(device) -> dict:
     except Exception as exc:  # noqa: BLE001
         ours, sources = f"import failed: {exc}", None
     status = _git("status", "--porcelain", "--", "flashattn")
+    commit = _git("rev-parse", "HEAD")
+    # git status trusts file times, and a copied tree (a GPU machine's) can keep a stale HEAD and look
+    # clean: compare the commit's own sources with the ones imported instead.
+    at_commit = sources_sha256_at(commit) if commit else None
     return {
         "gpu": props.name,
         "compute_capability": f"{props.major}.{props.minor}",
@@ -283,8 +323,9 @@ def environment(device) -> dict:
         "triton": triton.__version__,
         "flashattn": ours,
         "flashattn_sources_sha256": sources,
-        "git_commit": _git("rev-parse", "HEAD"),
+        "git_commit": commit,
         "git_flashattn_dirty": None if status is None else bool(status),
+        "git_commit_is_sources": None if at_commit is None or sources is None else at_commit == sources,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

@@ -637,9 +637,15 @@ def test_latency_table_marks_the_targets(tmp_path):
     assert "### TFLOP/s" not in summary  # no grid measured: no grid tables
 
 
-def test_committed_results_render_without_a_latency_section(tmp_path):
+def test_committed_results_render_with_and_without_their_latency_section(tmp_path):
+    """The committed file holds a latency section (it validates on load) and renders it; the same file
+    without the section, as files from before it existed are, renders the rest alone."""
     res = results.load("benchmarks/results/results.json")
-    assert res.get("latency") is None  # schema 1: the section did not exist
+    assert res["latency"]["records"]
+    summary = report.summary_markdown(res)
+    assert "Per-call latency" in summary and "### TFLOP/s" in summary
+    assert report.latency_target_table(res) != ""
+    res["latency"] = None
     assert report.latency_plot_files(res, tmp_path) == [] and report.latency_target_table(res) == ""
     summary = report.summary_markdown(res)
     assert "Per-call latency" not in summary and "### TFLOP/s" in summary
@@ -929,3 +935,52 @@ def test_variants_visible_pairs_count_the_window():
     for n, left in ((10, None), (10, 3), (7, 0), (5, 9)):
         row = variants.Row("x", 1, 1, n, variant={} if left is None else {"window": (left, 0)})
         assert variants.visible_pairs(row) == brute(n, left)
+
+
+# -- which code a run measured -------------------------------------------------------------------------------
+def _git_repo_with_package(tmp_path, text):
+    repo = tmp_path / "repo"
+    (repo / "flashattn" / "sub").mkdir(parents=True)
+    (repo / "flashattn" / "__init__.py").write_text(text)
+    (repo / "flashattn" / "sub" / "mod.py").write_text("x = 1\n")
+    (repo / "flashattn" / "notes.txt").write_text("not python\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], cwd=repo, check=True)
+    return repo, git
+
+
+def _head(repo) -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+
+
+def test_sources_at_a_commit_hash_like_the_imported_package(tmp_path):
+    """The hash of a commit's flashattn/ (git archive) equals the hash of the same files on disk, and a
+    later commit with other sources is found by its hash while the first one is not mistaken for it."""
+    repo, git = _git_repo_with_package(tmp_path, "a = 1\n")
+    first = _head(repo)
+    on_disk = run.sources_sha256(repo / "flashattn")
+    assert run.sources_sha256_at(first, repo) == on_disk
+    (repo / "flashattn" / "__init__.py").write_text("a = 2\n")
+    changed = run.sources_sha256(repo / "flashattn")
+    assert changed != on_disk and run.sources_sha256_at(first, repo) == on_disk  # the commit keeps its own
+    subprocess.run([*git, "commit", "-qam", "two"], cwd=repo, check=True)
+    second = _head(repo)
+    assert run.commit_with_sources(changed, repo=repo) == second
+    assert run.commit_with_sources(on_disk, repo=repo) == first
+    assert run.commit_with_sources("0" * 64, repo=repo) is None
+    assert run.sources_sha256_at("no-such-revision", repo) is None
+
+
+def test_summary_names_a_commit_only_when_it_holds_the_measured_sources(monkeypatch):
+    env = {"flashattn_sources_sha256": "ab" * 32, "git_commit": "c" * 40}
+    assert report.code_identity({"git_commit": "c" * 40}) == ""  # schema 1: nothing to check the commit by
+    assert f"git commit `{'c' * 12}`" in report.code_identity({**env, "git_commit_is_sources": True})
+    monkeypatch.setattr(run, "commit_with_sources", lambda sha, **kw: "d" * 40)
+    text = report.code_identity({**env, "git_commit_is_sources": False})
+    assert f"commit `{'d' * 12}`" in text and "holds other sources" in text and "git commit `" not in text
+    monkeypatch.setattr(run, "commit_with_sources", lambda sha, **kw: None)
+    assert "held by no recent commit" in report.code_identity({**env, "git_commit_is_sources": False})
+    monkeypatch.setattr(run, "sources_sha256_at", lambda commit, repo=None: None)
+    assert "unchecked" in report.code_identity(env)  # older files: checked against the local history if it can be
