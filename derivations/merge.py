@@ -13,7 +13,7 @@ over any partition gives the same result. An empty partial has L = −∞ and is
 weights are computed against a pivot that is 0, not −∞, when L = −∞ (else −∞ − (−∞) = NaN).
 
 Backward. With L_row = ⟨dO, O⟩, the gradient of a key shard K needs only that shard's columns of
-P = exp(S − LSE) and D = rowsum(dO ∘ O):
+P = exp(S − LSE) and D = rowsum(dO ∘ O) (δ in the notation table; D here, as in the papers):
 
     dS_K = P_K ∘ (dO V_Kᵀ − D),   dV_K = P_Kᵀ dO,   dQ = τ Σ_K dS_K K_K,   dK_K = τ dS_Kᵀ Q,
 

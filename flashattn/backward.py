@@ -1,7 +1,7 @@
 """The FlashAttention backward pass in Triton: three kernels, no atomics.
 
-1. ``_bwd_preprocess_kernel``: D = rowsum(dO * O), one float per query row. By the D identity it
-   equals rowsum(P * dP), so dS = P * (dP - D) never needs a reduction over the keys. The same pass
+1. ``_bwd_preprocess_kernel``: delta = rowsum(dO * O), one float per query row (the papers' D). By the
+   delta identity it equals rowsum(P * dP), so dS = P * (dP - delta) never needs a reduction over the keys. The same pass
    turns the forward's natural-log LSE into base 2 once per row, so the loops below never do.
 2. ``_bwd_dkdv_kernel``: one program per key block of one K/V head. It loops over the query heads of
    its group and, for each, over the query blocks that can see the key block, recomputing
@@ -46,7 +46,7 @@ from flashattn._triton import (
 )
 from flashattn.problem import Problem
 
-PREPROCESS_BLOCK = 64  # rows per program of the D kernel (memory bound: any size that fills the GPU)
+PREPROCESS_BLOCK = 64  # rows per program of the delta kernel (memory bound: any size that fills the GPU)
 
 
 # --8<-- [start:bwd-preprocess]
@@ -72,20 +72,20 @@ def _bwd_preprocess_kernel(
         + rows * stride_don + offs_d[None, :]
     b_o = tl.load(p_o, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
     b_do = tl.load(p_do, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
-    # D_i = sum_d dO_id O_id = sum_j P_ij dP_ij: an N x d reduction in place of an N x M one
+    # delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij: an N x d reduction in place of an N x M one
     b_delta = tl.sum(b_o * b_do, axis=1)  # [BLOCK_M]
-    row0 = i_bh.to(tl.int64) * N_CTX_Q  # lse, dlse, lse2 and D are contiguous (B, Hq, N)
+    row0 = i_bh.to(tl.int64) * N_CTX_Q  # lse, dlse, lse2 and delta are contiguous (B, Hq, N)
     # --8<-- [start:bwd-dlse]
     if HAS_DLSE:
         # A gradient that reaches the LSE output adds dLSE_i * P_ij to dS_ij (dLSE_i/dS_ij = P_ij),
-        # so dS = P * (dP - D + dLSE) = P * (dP - (D - dLSE)): folding it into D leaves the loops as
+        # so dS = P * (dP - delta + dLSE) = P * (dP - (delta - dLSE)): folding it into delta leaves the loops as
         # they are. A row with no key has P = 0 and takes nothing from it.
         b_delta -= tl.load(DLSE + row0 + offs_m, mask=offs_m < N_CTX_Q, other=0.0)
     # --8<-- [end:bwd-dlse]
     tl.store(DELTA + row0 + offs_m, b_delta, mask=offs_m < N_CTX_Q)
     # lse in base 2, the pivot of P = exp2(c * qk - lse2). A row that saw no key stores lse = -inf,
-    # and exp2(s - (-inf)) = inf: such rows lie only in masked tiles, where P is zeroed, so they
-    # pivot at 0 to keep the discarded values finite.
+    # and s - (-inf) = inf for every score. Such rows lie only in masked tiles, whose `where` replaces
+    # their P by 0 whatever exp2 gave; the pivot 0 only keeps the subtraction itself from being inf.
     b_lse = tl.load(LSE + row0 + offs_m, mask=offs_m < N_CTX_Q, other=0.0)
     b_lse2 = tl.where(b_lse == float("-inf"), 0.0, b_lse * LOG2E)
     tl.store(LSE2 + row0 + offs_m, b_lse2, mask=offs_m < N_CTX_Q)
@@ -94,7 +94,7 @@ def _bwd_preprocess_kernel(
 
 @triton.jit
 def _load_row_stats(p_lse2, p_delta, mask_rows, CHECK_ROWS: tl.constexpr):
-    """Per-row base-2 lse and D for a block of query rows."""
+    """Per-row base-2 lse and delta for a block of query rows."""
     if CHECK_ROWS:
         return tl.load(p_lse2, mask=mask_rows, other=0.0), tl.load(p_delta, mask=mask_rows, other=0.0)
     else:
@@ -134,7 +134,7 @@ def _bwd_dkdv_inner(
         p_t = tl.exp2(s_t - b_lse2[None, :])  # P = exp(s - lse): the forward's softmax, recomputed
         if MASKED:
             # Rows past N are zeroed explicitly. Defensive: their Q and dO load as zeros (descriptor
-            # zero-fill) and their lse2 and D as 0 (other=0.0), so P stays finite; the mask keeps a
+            # zero-fill) and their lse2 and delta as 0 (other=0.0), so P stays finite; the mask keeps a
             # padding row out of dK and dV even if a future load stopped zero-filling.
             p_t = tl.where(tile_mask(rows[None, :], offs_n[:, None], N_CTX_Q, N_CTX_K, win_left, win_right,
                                      CAUSAL, HAS_WINDOW), p_t, 0.0)
@@ -142,8 +142,8 @@ def _bwd_dkdv_inner(
         # --8<-- [start:bwd-dropout]
         if DROPOUT:
             # The forward's mask, drawn again from the seed (same (i, j), transposed tile): dV takes
-            # the dropped P (its 1 / (1 - p) joins once, at the end), and dS = P * (Z * dP / (1 - p) - D)
-            # with D = rowsum(dO * O) as without dropout.
+            # the dropped P (its 1 / (1 - p) joins once, at the end), and dS = P * (Z * dP / (1 - p) - delta)
+            # with delta = rowsum(dO * O) as without dropout.
             keep_t = dropout_keep(seed_lo, seed_hi, i_bh, rows[None, :], offs_n[:, None], drop_threshold)
             b_dv += tl.dot(tl.where(keep_t, p_t, 0.0).to(b_do.dtype), b_do)
             ds_t = p_t * (tl.where(keep_t, dp_t * inv_keep, 0.0) - b_delta[None, :])
@@ -153,7 +153,7 @@ def _bwd_dkdv_inner(
             b_dv += tl.dot(p_t.to(b_do.dtype), b_do)  # dV += P^T dO, [BLOCK_N, BLOCK_D]
             # --8<-- [end:bwd-dv-accumulate]
             # --8<-- [start:bwd-ds]
-            ds_t = p_t * (dp_t - b_delta[None, :])  # dS = P * (dP - D), the softmax backward
+            ds_t = p_t * (dp_t - b_delta[None, :])  # dS = P * (dP - delta), the softmax backward
             # --8<-- [end:bwd-ds]
         # --8<-- [start:softcap-grad]
         if SOFTCAP:
@@ -191,7 +191,7 @@ def _bwd_dkdv_kernel(
 
     start_n = i_n * BLOCK_N
     k_row = start_n  # the tile's first row in k, v, dk and dv
-    lse_rows = N_CTX_Q  # rows per head of lse2 and D
+    lse_rows = N_CTX_Q  # rows per head of lse2 and delta
     # --8<-- [start:bwd-dkdv-varlen-prologue]
     if VARLEN:
         # Packed sequences: i_n is a tile of this head's packed key rows (the forward's mapping with
@@ -224,17 +224,17 @@ def _bwd_dkdv_kernel(
         lo, full_start, full_end = backward_query_range(start_n, BLOCK_M, BLOCK_N, N_CTX_Q, N_CTX_K, CAUSAL)
         hi = N_CTX_Q
     if VARLEN:
-        # The loops walk q's packed rows from the sequence's first query (and lse2, D with them);
+        # The loops walk q's packed rows from the sequence's first query (and lse2, delta with them);
         # offs_m shifted back by as much keeps each row index (start_m + offs_m) local for the masks.
         lo, full_start, full_end, hi = lo + q_start, full_start + q_start, full_end + q_start, hi + q_start
         offs_m -= q_start
-        # lse2 and D are indexed by packed row, as start_m now is: cancel the shift of offs_m there
+        # lse2 and delta are indexed by packed row, as start_m now is: cancel the shift of offs_m there
         LSE2 += q_start
         DELTA += q_start
 
     for g in range(0, GROUP):  # the query heads that share this K/V head: summed here, no atomics
         i_hq = i_hkv * GROUP + g
-        row0 = (i_b.to(tl.int64) * H_Q + i_hq) * lse_rows  # lse2 and D: fresh contiguous (B, Hq, N) or (Hq, total_q)
+        row0 = (i_b.to(tl.int64) * H_Q + i_hq) * lse_rows  # lse2 and delta: fresh contiguous (B, Hq, N) or (Hq, total_q)
         p_lse2 = LSE2 + row0 + offs_m
         p_delta = DELTA + row0 + offs_m
         i_bhq = i_b * H_Q + i_hq  # the dropout mask's head counter
@@ -297,9 +297,9 @@ def _bwd_dq_inner(
                                    CAUSAL, HAS_WINDOW), p, 0.0)
         if DROPOUT:
             keep = dropout_keep(seed_lo, seed_hi, i_bh, offs_m[:, None], cols[None, :], drop_threshold)
-            ds = p * (tl.where(keep, dp * inv_keep, 0.0) - b_delta[:, None])  # dS = P * (Z dP / (1 - p) - D)
+            ds = p * (tl.where(keep, dp * inv_keep, 0.0) - b_delta[:, None])  # dS = P * (Z dP / (1 - p) - delta)
         else:
-            ds = p * (dp - b_delta[:, None])  # dS = P * (dP - D)
+            ds = p * (dp - b_delta[:, None])  # dS = P * (dP - delta)
         if SOFTCAP:
             ds = ds * (1.0 - t * t)  # through the softcap's tanh (softcap-grad)
         # --8<-- [start:bwd-dq-accumulate]
@@ -330,10 +330,10 @@ def _bwd_dq_kernel(
 
     start_m = i_m * BLOCK_M
     q_row = start_m  # the tile's first row in q, dO and dq
-    row0 = i_bh.to(tl.int64) * N_CTX_Q  # of lse2 and D, fresh contiguous (B, Hq, N)
+    row0 = i_bh.to(tl.int64) * N_CTX_Q  # of lse2 and delta, fresh contiguous (B, Hq, N)
     if VARLEN:
         # Packed sequences: the forward's mapping (its prologue says more)
-        row0 = i_hq.to(tl.int64) * N_CTX_Q  # lse2 and D are (Hq, total_q); N_CTX_Q arrives as total_q
+        row0 = i_hq.to(tl.int64) * N_CTX_Q  # lse2 and delta are (Hq, total_q); N_CTX_Q arrives as total_q
         start_m, q_start, k_start, N_CTX_Q, N_CTX_K = packed_tile(
             i_m, BLOCK_M, TILE_OFFSETS, CU_SEQLENS_Q, CU_SEQLENS_K, N_SEQS)
         if start_m >= N_CTX_Q:

@@ -8,7 +8,7 @@ results are merged through their log-sum-exp, which is exact (the merge derivati
 ``derivations/merge.py``).
 
 The backward sends the key/value shards around again. Every partial gradient is computed with the
-*global* output O and the *global* LSE, so D = rowsum(dO * O) and the recomputed P are those of the
+*global* output O and the *global* LSE, so delta = rowsum(dO * O) and the recomputed P are those of the
 full row and the partial gradients simply add: dQ stays home, and each dK/dV accumulator travels with
 its key/value shard and arrives back at its owner after the last step.
 
@@ -234,7 +234,7 @@ def _ring_backward(do, q, k, v, o, lse, causal: bool, scale: float, layout: str,
         plan = ring_step(rank, source, n, causal, layout)
         if plan is not None:
             rows, cols = plan.rows, plan.cols
-            # The global o and lse: D = rowsum(dO * O) and P = exp(S - LSE) are those of the full row,
+            # The global o and lse: delta = rowsum(dO * O) and P = exp(S - LSE) are those of the full row,
             # so the partial gradients of all shards add up to the full gradient.
             dq_part, dk_part, dv_part = _local_backward(
                 do[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],

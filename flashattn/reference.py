@@ -310,7 +310,7 @@ def online_backward(
 
     Returns ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v. dK and dV of a key/value head sum the
     contributions of every query head of its group. ``dlse`` (B, Hq, N), when given, is the gradient
-    that reached the LSE output; it joins D (dS = P * (dP - (D - dLSE))). The variants take the
+    that reached the LSE output; it joins delta (dS = P * (dP - (delta - dLSE))). The variants take the
     forward's arguments; the ALiBi slopes get no gradient.
     """
     b, h_q, n, d = q.shape
@@ -348,7 +348,7 @@ def online_backward(
         if keep is not None:
             dp = torch.where(keep, dp * inv_keep, torch.zeros_like(dp))  # dP of the undropped P
             p_used = torch.where(keep, p * inv_keep, torch.zeros_like(p))
-        ds = p * (dp - b_delta[..., None])  # dS = P * (dP - D)
+        ds = p * (dp - b_delta[..., None])  # dS = P * (dP - delta)
         if t is not None:
             ds = ds * (1 - t * t)  # through the softcap: d(c tanh(s / c)) / ds = 1 - tanh^2
         return ds, p_used
@@ -369,7 +369,7 @@ def online_backward(
         for start_m in range(lo, hi, block_m):
             # Tiles on the diagonal, on the ragged last query block, or on a ragged key block are masked.
             # Padding rows (>= n) must contribute nothing: unmasked, their P could overflow and turn
-            # dS = P * (dP - D) into NaN even though their dO is zero.
+            # dS = P * (dP - delta) into NaN even though their dO is zero.
             masked = start_m < full_start or start_m >= full_end
             b_q = _load_rows(qg, start_m, block_m)
             b_do = _load_rows(dog, start_m, block_m)
