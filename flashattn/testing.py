@@ -54,3 +54,23 @@ def assert_close_ratio(name, out, ref, lowp, *, factor=2.0, floor=1e-5):
     err, base = rel_err(out, ref), rel_err(lowp, ref)
     assert err <= factor * base + floor, f"{name}: error {err:.3e} > {factor} x torch's {base:.3e} + {floor:.0e}"
     return err, base
+
+
+def assert_block_grid_is_exact(mask: torch.Tensor, grid, block_m: int, block_n: int) -> None:
+    """A block grid (:func:`flashattn.schedule.block_grid`) against the dense (N, M) visibility mask it
+    stands for: skipped tiles hold no visible pair, full tiles are whole and hold no hidden one, and
+    the visited tiles cover every visible pair."""
+    from flashattn import schedule
+
+    covered = torch.zeros_like(mask)
+    for bi, row in enumerate(grid):
+        for bj, kind in enumerate(row):
+            rows, cols = slice(bi * block_m, (bi + 1) * block_m), slice(bj * block_n, (bj + 1) * block_n)
+            tile = mask[rows, cols]
+            if kind == schedule.SKIPPED:
+                assert not tile.any(), f"tile ({bi}, {bj}) is skipped but holds a visible pair"
+            else:
+                covered[rows, cols] = True
+            if kind == schedule.FULL:
+                assert tile.all() and tile.shape[1] == block_n, f"tile ({bi}, {bj}) is full but not whole"
+    assert not (mask & ~covered).any(), "a visible pair lies in no visited tile"

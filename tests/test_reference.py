@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from flashattn import cost, reference, schedule
 from flashattn.reference import causal_mask, naive_attention, online_backward, online_forward
-from flashattn.testing import random_qkv
+from flashattn.testing import assert_block_grid_is_exact, random_qkv
 
 TOL = 1e-10  # float64 against float64: only rounding separates the two algorithms
 
@@ -168,24 +168,26 @@ def test_online_matches_naive_on_random_shapes(b, h_kv, group, n, m, d, causal, 
         assert_same(name, got, want)
 
 
+def test_block_grid_check_catches_wrong_grids():
+    """The checker the schedule tests use fails on a grid that skips a visible tile, calls a masked tile
+    full, or leaves a visible pair unvisited."""
+    mask = causal_mask(32, 32)
+    good = schedule.block_grid(32, 32, 16, 16, True)
+    assert_block_grid_is_exact(mask, good, 16, 16)
+    for bi, bj, kind in ((1, 1, schedule.SKIPPED), (0, 0, schedule.FULL), (1, 0, schedule.SKIPPED)):
+        bad = [list(row) for row in good]
+        bad[bi][bj] = kind
+        with pytest.raises(AssertionError):
+            assert_block_grid_is_exact(mask, bad, 16, 16)
+
+
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(1, 300), m=st.integers(1, 300), block_m=st.sampled_from([16, 32, 64, 128]),
        block_n=st.sampled_from([16, 32, 64, 128]), causal=st.booleans())
 def test_schedule_is_exact(n, m, block_m, block_n, causal):
     """Skipped tiles hold no visible pair, full tiles no masked pair, and the walks cover every visible pair."""
     mask = causal_mask(n, m) if causal else torch.ones(n, m, dtype=torch.bool)
-    grid = schedule.block_grid(n, m, block_m, block_n, causal)
-    covered = torch.zeros(n, m, dtype=torch.bool)
-    for bi, row in enumerate(grid):
-        for bj, kind in enumerate(row):
-            tile = mask[bi * block_m:(bi + 1) * block_m, bj * block_n:(bj + 1) * block_n]
-            if kind == schedule.SKIPPED:
-                assert not tile.any()
-            else:
-                covered[bi * block_m:(bi + 1) * block_m, bj * block_n:(bj + 1) * block_n] = True
-            if kind == schedule.FULL:
-                assert tile.all() and tile.shape[1] == block_n
-    assert not (mask & ~covered).any()
+    assert_block_grid_is_exact(mask, schedule.block_grid(n, m, block_m, block_n, causal), block_m, block_n)
     assert int(mask.sum()) == cost.visible_pairs(n, m, causal)
     # The dK/dV walk: every visible pair lies in a visited query block, and query blocks marked as
     # fully visible really see the whole key block.

@@ -21,7 +21,7 @@ import flashattn
 from flashattn import _triton, reference, schedule
 from flashattn.problem import Problem
 from flashattn.reference import dropout_keep, dropout_keep_mask, naive_attention, online_backward, online_forward
-from flashattn.testing import assert_close_ratio, random_qkv
+from flashattn.testing import assert_block_grid_is_exact, assert_close_ratio, random_qkv
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -105,17 +105,7 @@ def test_window_schedule_is_exact(n, m, block_m, block_n, causal, left, right):
     window = (left, right)
     mask = _visible(n, m, causal, window, "cpu")
     grid = schedule.block_grid(n, m, block_m, block_n, causal, window=window)
-    covered = torch.zeros(n, m, dtype=torch.bool)
-    for bi, row in enumerate(grid):
-        for bj, kind in enumerate(row):
-            tile = mask[bi * block_m:(bi + 1) * block_m, bj * block_n:(bj + 1) * block_n]
-            if kind == schedule.SKIPPED:
-                assert not tile.any()
-            else:
-                covered[bi * block_m:(bi + 1) * block_m, bj * block_n:(bj + 1) * block_n] = True
-            if kind == schedule.FULL:
-                assert tile.all() and tile.shape[1] == block_n
-    assert not (mask & ~covered).any()
+    assert_block_grid_is_exact(mask, grid, block_m, block_n)
     left_k, right_k = schedule.window_bounds(n, m, causal, window)
     for start_m in range(0, n, block_m):
         lo, full_start, full_end, hi = schedule.window_dq_key_range(start_m, block_m, block_n, n, m, left_k, right_k)
