@@ -15,7 +15,8 @@ Every variant is the public call ``flashattn.attention`` (the grid's ``flashattn
   ``--space '{"128": {"fwd": [[128, 64, 8, 3]]}}'`` names them. The table's own choice is timed first.
 * ``order`` -- heads per group of the causal launch order (``heads_per_group``), causal settings only;
   ``auto`` is the package's own choice; ``--peers`` adds other providers as a control.
-* ``overlap`` -- the backward with ``overlap_dq=True`` (the default) and ``False``.
+* ``overlap`` -- the backward with ``overlap_dq=True`` (the default: a second stream where the problem is large
+  enough, :func:`flashattn.backward.worth_a_second_stream`) and ``False`` (always one stream).
 * ``profile`` -- ``torch.profiler`` time per kernel over a few forward + backward calls.
 
 The backward runs on the calling thread (``torch.autograd.set_multithreading_enabled(False)``): on a

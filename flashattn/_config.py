@@ -116,8 +116,9 @@ class Tuning:
     """What a benchmark sweep may pin for the calls made inside :func:`tuning` (the package never does).
 
     ``configs`` maps a kernel name to the configuration to launch it with; ``heads_per_group`` caps the
-    causal launch order's group (the largest divisor of B * H up to it is used); ``overlap_dq`` runs
-    the dQ kernel beside dK/dV on a second stream (the default) or after it.
+    causal launch order's group (the largest divisor of B * H up to it is used); ``overlap_dq`` lets
+    the dQ kernel run beside dK/dV on a second stream (the default; only problems large enough for it
+    to pay use it, :func:`flashattn.backward.worth_a_second_stream`) or always after it.
     """
 
     configs: dict = field(default_factory=dict)
