@@ -42,6 +42,8 @@ import time
 
 import torch
 
+from benchmarks import results as results_mod
+
 H_Q, H_KV, D = 32, 8, 128
 DTYPE = torch.bfloat16
 BATCHES = (1, 16, 64)
@@ -239,16 +241,15 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks.decode needs a CUDA GPU", file=sys.stderr)
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     result = run(ints(args.batches), ints(args.seqlens), ints(args.queries), args.providers.split(","),
                  torch.device("cuda"), modes=args.modes.split(","))
     result["wall_s"] = round(time.monotonic() - t0, 1)
-    (args.out / "decode.json").write_text(json.dumps(result, indent=1))
-    (args.out / "decode.md").write_text(markdown(result))
-    print(markdown(result))
-    print(f"wrote {args.out / 'decode.json'} and {args.out / 'decode.md'} in {result['wall_s']} s")
+    table = markdown(result)
+    json_path, md_path = results_mod.save_table(args.out, "decode", result, table)
+    print(table)
+    print(f"wrote {json_path} and {md_path} in {result['wall_s']} s")
     return 0
 
 

@@ -182,7 +182,8 @@ def code_identity(env: dict) -> str:
 def summary_markdown(results) -> str:
     env, cfg = results["environment"], results["config"]
     out = ["## Benchmark results", ""]
-    code = " " + code_identity(env) if code_identity(env) else ""
+    code = code_identity(env)
+    code = " " + code if code else ""
     out.append(f"Measured on **{env['gpu']}** (driver {env.get('driver')}, CUDA {env.get('cuda')}, "
                f"cuDNN {env.get('cudnn')}) with torch {env['torch']} and triton {env['triton']}, "
                f"{env['date']}, in one run of `python -m benchmarks.run`"

@@ -120,6 +120,16 @@ def save(results: dict, path) -> Path:
     return path
 
 
+def save_table(out_dir, name: str, result: dict, markdown: str) -> tuple[Path, Path]:
+    """A side benchmark's (decode, variants, varlen) ``name.json`` and ``name.md`` in ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    paths[0].write_text(json.dumps(result, indent=1))
+    paths[1].write_text(markdown)
+    return paths
+
+
 def load(path) -> dict:
     results = json.loads(Path(path).read_text())
     validate(results)

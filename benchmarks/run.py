@@ -247,9 +247,14 @@ def sources_sha256(package_dir) -> str:
     """One hash of every ``.py`` file of a package (relative paths and bytes, sorted): the identity of the
     code a run measured, which a stale or dirty git checkout cannot misreport."""
     root = Path(package_dir)
+    return _digest({path.relative_to(root).as_posix(): path.read_bytes() for path in root.rglob("*.py")})
+
+
+def _digest(files: dict) -> str:
+    """SHA-256 over ``{relative path: bytes}``, paths sorted: one rule for the files on disk and in git."""
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + files[name] + b"\0")
     return digest.hexdigest()
 
 
@@ -272,10 +277,7 @@ def sources_sha256_at(commit: str, repo=None) -> str | None:
         for member in tar.getmembers():
             if member.isfile() and member.name.endswith(".py"):
                 files[member.name.removeprefix("flashattn/")] = tar.extractfile(member).read()
-    digest = hashlib.sha256()
-    for name in sorted(files):
-        digest.update(name.encode() + b"\0" + files[name] + b"\0")
-    return digest.hexdigest()
+    return _digest(files)
 
 
 def commit_with_sources(sha256: str, max_count: int = 200, repo=None) -> str | None:

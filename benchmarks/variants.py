@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from benchmarks import measure
+from benchmarks import measure, results as results_mod
 
 WINDOW = 4096
 SOFTCAP = 50.0
@@ -257,7 +257,6 @@ def main(argv=None) -> int:
         return 2
     import triton
 
-    args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     device = torch.device("cuda")
     result = run([ROWS[r] for r in args.rows.split(",")], args.providers.split(","), device,
@@ -265,10 +264,10 @@ def main(argv=None) -> int:
     result.update(device=torch.cuda.get_device_name(device), wall_s=round(time.monotonic() - t0, 1),
                   versions={"torch": torch.__version__, "triton": triton.__version__,
                             "python": platform.python_version(), "cuda": torch.version.cuda})
-    (args.out / "variants.json").write_text(json.dumps(result, indent=1))
-    (args.out / "variants.md").write_text(markdown(result))
-    print(markdown(result))
-    print(f"wrote {args.out / 'variants.json'} and {args.out / 'variants.md'} in {result['wall_s']} s")
+    table = markdown(result)
+    json_path, md_path = results_mod.save_table(args.out, "variants", result, table)
+    print(table)
+    print(f"wrote {json_path} and {md_path} in {result['wall_s']} s")
     return 0
 
 

@@ -34,6 +34,8 @@ import sys
 
 import torch
 
+from benchmarks import results as results_mod
+
 from flashattn.cost import attention_flops
 
 TOKENS = 16384
@@ -218,10 +220,9 @@ def main(argv=None) -> int:
     results["environment"] = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
                               "triton": triton.__version__, "python": platform.python_version(),
                               "tokens": TOKENS, "lengths": [MIN_LEN, MAX_LEN], "dtype": str(DTYPE)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "varlen.json").write_text(json.dumps(results, indent=1))
-    (args.out / "varlen.md").write_text(markdown(results))
-    print((args.out / "varlen.md").read_text())
+    table = markdown(results)
+    results_mod.save_table(args.out, "varlen", results, table)
+    print(table)
     return 0
 
 

@@ -52,6 +52,26 @@ def check_tensors(q, k, v, q_layout: str, kv_layout: str) -> None:
         raise ValueError(f"k and v must have the same shape {kv_layout}, got k {tuple(k.shape)} and v {tuple(v.shape)}")
 
 
+def is_int(x) -> bool:
+    """A Python (or NumPy) integer that is not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_flag(name: str, value) -> None:
+    """A keyword that must be a bool (``causal``, ``return_lse``, ...), not merely truthy."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def check_scale(scale) -> None:
+    """The softmax scale: None (1 / sqrt(D)) or a finite real number >= 0."""
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+        if not math.isfinite(scale) or scale < 0:
+            raise ValueError(f"scale must be finite and non-negative, got {scale}")
+
+
 def _check_inputs(q, k, v, causal, scale):
     check_tensors(q, k, v, "(B, Hq, N, D)", "(B, Hkv, M, D)")
     b, h_q, n, d = q.shape
@@ -66,13 +86,8 @@ def _check_inputs(q, k, v, causal, scale):
         raise ValueError(f"head dim D of q, k, v must be between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}, got {d}")
     if b == 0 or h_q == 0 or n == 0 or m == 0:
         raise ValueError(f"q and k need at least one batch, head, query and key; got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-        if not math.isfinite(scale) or scale < 0:
-            raise ValueError(f"scale must be finite and non-negative, got {scale}")
+    check_flag("causal", causal)
+    check_scale(scale)
     check_dtype_for_device(q, "q, k, v")
 
 
@@ -98,7 +113,7 @@ def _check_variants(q, window, softcap, alibi_slopes, dropout_p, generator, seed
         for side, w in zip(("left", "right"), window):
             if w is None:
                 continue
-            if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            if not is_int(w):
                 raise TypeError(f"window {side} must be an int >= 0 or None (unbounded), got {type(w).__name__}")
             if w < 0:
                 raise ValueError(f"window {side} must be >= 0 (None for unbounded), got {w}")
@@ -127,7 +142,7 @@ def _check_variants(q, window, softcap, alibi_slopes, dropout_p, generator, seed
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        if not is_int(seed):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         if not 0 <= seed < MAX_SEED:
             raise ValueError(f"seed must be in [0, 2**62), got {seed}")
@@ -194,8 +209,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     """
     q, k, v = _autocast(q, k, v)
     _check_inputs(q, k, v, causal, scale)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    check_flag("return_lse", return_lse)
     window, softcap = _check_variants(q, window, softcap, alibi_slopes, dropout_p, generator, seed)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     dropout_p = float(dropout_p)
@@ -250,7 +264,7 @@ def flash_attn_func(
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size must be a (left, right) pair, -1 for unbounded, got {window_size!r}")
     for w in window_size:
-        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+        if not is_int(w):
             raise TypeError(f"window_size must hold ints (-1 for unbounded), got {window_size!r}")
     window = tuple(None if w < 0 else int(w) for w in window_size)
     # (B, N, H, D) viewed as (B, H, N, D): a transpose, no copy; the kernels take any strides.

@@ -17,13 +17,12 @@ before anything is written or launched; this module does not import Triton (the 
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 
 from flashattn import reference
-from flashattn.api import check_dtype_for_device
+from flashattn.api import check_dtype_for_device, check_flag, check_scale, is_int
 from flashattn.ops import use_kernels
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -43,10 +42,6 @@ class DecodeProblem:
     capacity: int  # most keys a sequence can hold: Mmax, or max_pages * page_size
     causal: bool
     scale: float
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _check_tensor(name, x, dims, layout):
@@ -122,7 +117,7 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal, scale, b
                              f"got {tuple(k_new.shape)}")
         n_new = k_new.shape[1]
 
-    if _is_int(cache_seqlens):
+    if is_int(cache_seqlens):
         if not 0 <= cache_seqlens <= capacity - n_new:
             raise ValueError(f"cache_seqlens ({cache_seqlens}) + Nnew ({n_new}) must lie in [0, {capacity}], "
                              "the capacity of the cache")
@@ -136,17 +131,11 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal, scale, b
     else:
         raise TypeError(f"cache_seqlens must be an int32 tensor of shape (B,) or an int, got {type(cache_seqlens).__name__}")
 
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-        if not math.isfinite(scale) or scale < 0:
-            raise ValueError(f"scale must be finite and non-negative, got {scale}")
+    check_flag("causal", causal)
+    check_flag("return_lse", return_lse)
+    check_scale(scale)
     if num_splits is not None:
-        if not _is_int(num_splits):
+        if not is_int(num_splits):
             raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
         if not 1 <= num_splits <= 65535:
             raise ValueError(f"num_splits must be between 1 and 65535, got {num_splits}")
@@ -234,7 +223,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     """
     p = _validate(q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal, scale, block_table, num_splits,
                   return_lse)
-    if _is_int(cache_seqlens):
+    if is_int(cache_seqlens):
         seq_lens = torch.full((p.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
         max_keys = cache_seqlens + p.n_new  # known on the host: no sync, and the splits fit it
     else:

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from flashattn.api import _check_inputs
+from flashattn.api import _check_inputs, check_flag
 from flashattn.autograd import backend
 from flashattn.ops import use_kernels
 from flashattn.problem import Problem
@@ -319,8 +319,7 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, scale: float | 
     the PyTorch reference.
     """
     _check_ring_inputs(q, k, v, causal, scale, layout, group)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    check_flag("return_lse", return_lse)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     o, lse = RingAttentionFunction.apply(q, k, v, causal, scale, layout, group)
     return (o, lse) if return_lse else o

@@ -12,18 +12,14 @@ this module does not import Triton.
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
-from flashattn.api import MAX_HEAD_DIM, MIN_HEAD_DIM, check_dtype_for_device, check_tensors
+from flashattn.api import (MAX_HEAD_DIM, MIN_HEAD_DIM, check_dtype_for_device, check_flag, check_scale, check_tensors,
+                           is_int)
 from flashattn.autograd import VarlenFunction
 from flashattn.ops import use_kernels
 from flashattn.problem import Problem
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _check_tensors(q, k, v):
@@ -56,7 +52,7 @@ def _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one entry per sequence boundary each (B + 1), "
                          f"got {cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if not _is_int(value):
+        if not is_int(value):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
@@ -121,13 +117,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     _check_tensors(q, k, v)
     _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     for name, flag in (("causal", causal), ("return_lse", return_lse), ("validate", validate)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-        if not math.isfinite(scale) or scale < 0:
-            raise ValueError(f"scale must be finite and non-negative, got {scale}")
+        check_flag(name, flag)
+    check_scale(scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     compiling = torch.compiler.is_compiling()
     if not compiling and (validate or q.device.type == "cpu"):
