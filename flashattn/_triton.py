@@ -236,7 +236,7 @@ def tile_offsets(cu_seqlens: torch.Tensor, block: int) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(tiles, 0, dtype=torch.int32), (1, 0))
 
 
-def tile_desc(x: torch.Tensor, rows: int, block_d: int):
+def tile_desc(x: torch.Tensor, rows: int, block_d: int, checked: bool | None = None):
     """A tensor descriptor of the (B, H, L, D) tensor ``x`` that reads [rows, block_d] tiles of one head.
 
     Made on the host per launch, so no program spends time building one; ``x`` must pass
@@ -246,13 +246,16 @@ def tile_desc(x: torch.Tensor, rows: int, block_d: int):
     On a GPU the descriptor is filled in directly, without the checks Triton's constructor repeats on
     every call (alignment, strides, block shape): :func:`describable` has made them, and they cost a
     short call microseconds per tensor. Under the interpreter, where the tests run, every descriptor
-    goes through the checking constructor.
+    goes through the checking constructor (``checked``: whether to; by default, under the interpreter).
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    if checked is None:
+        checked = _config.is_interpreter()
+
     shape, strides, block = list(x.shape), list(x.stride()), [1, 1, rows, block_d]
     defaults = _descriptor_defaults()
-    if defaults is None or _config.is_interpreter():
+    if defaults is None or checked:
         return TensorDescriptor(x, shape, strides, block)
     desc = object.__new__(TensorDescriptor)
     vars(desc).update(defaults, base=x, shape=shape, strides=strides, block_shape=block)
@@ -284,12 +287,13 @@ class Descriptors:
 
     def __init__(self, block_d: int):
         self.block_d, self.made = block_d, {}
+        self.checked = _config.is_interpreter()  # read once per launcher call, not per descriptor
 
     def __call__(self, x: torch.Tensor, rows: int):
         key = (id(x), rows)  # x stays alive for the whole call, so its id is not reused meanwhile
         desc = self.made.get(key)
         if desc is None:
-            desc = self.made[key] = tile_desc(x, rows, self.block_d)
+            desc = self.made[key] = tile_desc(x, rows, self.block_d, self.checked)
         return desc
 
 
