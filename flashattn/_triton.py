@@ -302,11 +302,18 @@ _COMPILED: dict = {}  # launch signature -> the kernel Triton compiled for it
 _FAST_LAUNCH = [True]  # cleared for good if this Triton cannot launch a compiled kernel directly
 
 
-@functools.lru_cache(maxsize=None)
+_UNSPECIALIZED: dict = {}  # id(kernel) -> positions of its unspecialized arguments
+
+
 def _unspecialized(kernel) -> frozenset:
     """Positions of the arguments ``kernel`` was told not to specialize on (a dropout seed, which
-    changes every call): their values must not key the cache of compiled kernels either."""
-    return frozenset(p.num for p in getattr(kernel, "params", ()) if getattr(p, "do_not_specialize", False))
+    changes every call): their values must not key the cache of compiled kernels either. Kept by the
+    kernel's id: a jitted function hashes through its source-derived cache key, slowly."""
+    found = _UNSPECIALIZED.get(id(kernel))
+    if found is None:
+        found = _UNSPECIALIZED[id(kernel)] = frozenset(
+            p.num for p in getattr(kernel, "params", ()) if getattr(p, "do_not_specialize", False))
+    return found
 
 
 def _current_device() -> int:
@@ -316,22 +323,27 @@ def _current_device() -> int:
 
 def _signature(kernel, args: tuple, constexprs: dict, options: dict) -> tuple:
     """Everything Triton's specialization of ``kernel`` can depend on, and more: the value of every
-    integer, the dtype, strides and 16-byte alignment of every tensor (and of every descriptor's
-    tensor, with its shape and block shape), the constexprs, the options and the device."""
-    key = [kernel, _current_device(), *constexprs.values(), *options.values()]
+    integer, the dtype and 16-byte alignment of every tensor (a pointer argument reaches the compiled
+    kernel as nothing else; its strides are integers of their own), the shape, strides and block shape
+    of every descriptor (integers the kernel is specialized on), the constexprs, the options and the
+    device. A descriptor's base needs no alignment entry: :func:`tile_desc` only describes tensors
+    that passed :func:`describable`, 16-byte aligned."""
+    # id(kernel): the kernels live as long as the process (launch checks the entry's kernel is this
+    # one), and hashing the jitted function itself goes through Triton's source-derived cache key
+    key = [id(kernel), _current_device(), *constexprs.values(), *options.values()]
+    append = key.append
     unspecialized = _unspecialized(kernel)
     for index, a in enumerate(args):
         kind = type(a)
         if kind is int:
             # only the width of an unspecialized integer reaches the compiled kernel
-            key.append(a if index not in unspecialized else -2**31 <= a < 2**31)
+            append(a if index not in unspecialized else -2**31 <= a < 2**31)
         elif kind is float:
-            key.append(float)  # floats are never specialized on their value
+            append(float)  # floats are never specialized on their value
         elif isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.stride(), a.data_ptr() % 16))
-        else:  # a tensor descriptor: its shape and strides are integers the kernel is specialized on
-            key.append((a.base.dtype, tuple(a.strides), a.base.data_ptr() % 16, tuple(a.shape),
-                        tuple(a.block_shape)))
+            append((a.dtype, a.data_ptr() % 16))
+        else:  # a tensor descriptor
+            append((a.base.dtype, tuple(a.shape), tuple(a.strides), tuple(a.block_shape)))
     return tuple(key)
 
 
@@ -349,10 +361,10 @@ def launch(kernel, grid, args: tuple, constexprs: dict, options: dict) -> None:
         kernel[grid](*args, **constexprs, **options)
         return
     signature = _signature(kernel, args, constexprs, options)
-    compiled = _COMPILED.get(signature) if _FAST_LAUNCH[0] else None
-    if compiled is not None:
+    entry = _COMPILED.get(signature) if _FAST_LAUNCH[0] else None
+    if entry is not None and entry[0] is kernel:  # the signature holds id(kernel): check it is this one
         try:
-            compiled[grid](*args, *constexprs.values())
+            entry[1][grid](*args, *constexprs.values())
             return
         except (AttributeError, TypeError):  # an older or newer Triton: keep its own launch path
             _FAST_LAUNCH[0] = False
@@ -360,5 +372,5 @@ def launch(kernel, grid, args: tuple, constexprs: dict, options: dict) -> None:
     if compiled is not None:
         if len(_COMPILED) > 4096:  # many distinct lengths: start over rather than grow without bound
             _COMPILED.clear()
-        _COMPILED[signature] = compiled.result() if hasattr(compiled, "result") else compiled
+        _COMPILED[signature] = (kernel, compiled.result() if hasattr(compiled, "result") else compiled)
 # --8<-- [end:launch]

@@ -247,6 +247,43 @@ def test_fast_descriptor_is_the_checked_one(monkeypatch):
     assert desc(views[1], 16) is not desc(q, 16)
 
 
+def test_launch_signature_separates_what_triton_specializes_on(monkeypatch):
+    """The key of the compiled-kernel cache changes with everything a compiled kernel depends on (an
+    integer's value, a tensor's dtype and 16-byte alignment, a descriptor's shape, strides and block,
+    a constexpr, an option, the device) and with nothing else (a float's value, an unspecialized
+    integer within 32 bits, a tensor's data beyond its alignment)."""
+    from types import SimpleNamespace
+
+    from flashattn import _triton
+
+    monkeypatch.setattr(_triton, "_current_device", lambda: 0)
+    kernel = SimpleNamespace(params=[SimpleNamespace(num=3, do_not_specialize=True)])
+    buf = torch.zeros(64, dtype=torch.float16)
+    x = torch.zeros(2, 3, 8, 16, dtype=torch.float16)
+    desc = _triton.tile_desc(x, 8, 16, checked=True)
+
+    def key(args=None, constexprs=None, options=None):
+        args = args if args is not None else (desc, buf, 7, 5, 0.5)
+        return _triton._signature(kernel, args, constexprs or {"C": True}, options or {"num_warps": 4})
+
+    base = key()
+    assert key() == base
+    assert key((desc, buf, 7, 6, 0.25)) == base  # unspecialized int (position 3) and float values
+    assert key((desc, buf, 7, 2**40, 0.5)) != base  # ... but not its width
+    assert key((desc, buf, 8, 5, 0.5)) != base  # a specialized int
+    assert key((desc, buf[8:], 7, 5, 0.5)) == base  # 16 bytes further: same alignment
+    assert key((desc, buf[1:], 7, 5, 0.5)) != base  # 2 bytes further: not 16-byte aligned
+    assert key((desc, buf.float(), 7, 5, 0.5)) != base  # another dtype
+    y = torch.zeros(2, 3, 16, 16, dtype=torch.float16)
+    assert key((_triton.tile_desc(y, 8, 16, checked=True), buf, 7, 5, 0.5)) != base  # another shape
+    assert key((_triton.tile_desc(x, 4, 16, checked=True), buf, 7, 5, 0.5)) != base  # another block
+    z = torch.zeros(2, 8, 3, 16, dtype=torch.float16).transpose(1, 2)
+    assert key((_triton.tile_desc(z, 8, 16, checked=True), buf, 7, 5, 0.5)) != base  # other strides
+    assert key(constexprs={"C": False}) != base and key(options={"num_warps": 8}) != base
+    monkeypatch.setattr(_triton, "_current_device", lambda: 1)
+    assert key() != base
+
+
 def test_second_stream_only_for_long_backwards():
     """dQ runs beside dK/dV only when the work is large enough for the overlap to pay."""
     from flashattn.backward import OVERLAP_MIN_WORK, worth_a_second_stream
