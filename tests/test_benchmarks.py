@@ -984,3 +984,20 @@ def test_summary_names_a_commit_only_when_it_holds_the_measured_sources(monkeypa
     assert "held by no recent commit" in report.code_identity({**env, "git_commit_is_sources": False})
     monkeypatch.setattr(run, "sources_sha256_at", lambda commit, repo=None: None)
     assert "unchecked" in report.code_identity(env)  # older files: checked against the local history if it can be
+
+
+def test_hostcost_refuses_the_interpreter_and_restores_the_package(monkeypatch):
+    """The host-cost tool replaces the compiled-kernel launch; under the interpreter, which never takes
+    that path, it must refuse, and whatever it patched must come back afterwards."""
+    from benchmarks import hostcost
+    from flashattn import _triton, ops
+
+    before = (_triton._COMPILED, _triton._current_device, ops.use_kernels)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        with hostcost.launches_disabled():
+            pass
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with hostcost.launches_disabled():
+        assert _triton._COMPILED is not before[0] and ops.use_kernels is not before[2]
+    assert (_triton._COMPILED, _triton._current_device, ops.use_kernels) == before

@@ -1,0 +1,151 @@
+"""flashattn's own host work per eager call, measured on a CPU with every kernel launch made a no-op.
+
+    PYTHONPATH=. python -m benchmarks.hostcost [--profile] [--b 1 --h 16 --n 512 --d 64 --causal]
+
+A short eager call is bound by the host (docs/benchmarks.md, the latency section), and most of that host
+time is this package's Python: argument checks, the problem description, the config lookup, output
+allocation, descriptors, the compiled-kernel cache key. That part runs the same on any machine, so it
+can be measured and cut without a GPU. This tool runs the real eager path (``flashattn.attention``
+and its autograd backward) on float16 CPU tensors, routed to the Triton launchers as CUDA tensors are,
+and replaces only the last step, the compiled kernel's launch, by a call that does nothing. What it
+reports is therefore everything the package does per call except Triton's launcher and the GPU:
+
+* ``fwd`` and ``fwd+bwd``: ``flashattn.attention(q, k, v)`` with q, k, v requiring grad, and
+  ``torch.autograd.grad`` of it (the latency section's two passes), on the calling thread;
+* ``launcher fwd`` / ``launcher bwd``: :func:`flashattn.forward.attention_forward` and
+  :func:`flashattn.backward.attention_backward` alone.
+
+Numbers are medians of 5 loops on this machine's CPU, in µs. They are not GPU timings and are never
+compared with a peer: on the GPU host, Triton's own launcher (about 20 µs per launch with descriptors,
+measured on an H200 host) and the autograd engine's worker thread come on top. CPU tensors take the
+package's CPU tile sizes (the interpreter's), so the backward's two kernels share fewer descriptors
+than on a GPU; nothing else in the host work depends on the tiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+
+
+class _NoLaunch:
+    """Stands in for a compiled kernel: ``[grid](*args)`` does nothing and counts the call."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __getitem__(self, grid):
+        def run(*args):
+            self.calls += 1
+        return run
+
+
+@contextlib.contextmanager
+def launches_disabled():
+    """Route float16/bfloat16 CPU tensors to the Triton launchers and make every launch a no-op,
+    restoring the package afterwards. Refuses to run under TRITON_INTERPRET (the interpreter never
+    takes the compiled-kernel path this replaces)."""
+    from flashattn import _config, _triton, ops
+    from flashattn import backward as bwd_mod, forward as fwd_mod
+
+    if _config.is_interpreter():
+        raise RuntimeError("unset TRITON_INTERPRET: the interpreter does not use the compiled-kernel path")
+    fake = _NoLaunch()
+    kernels = {id(k): k for k in (fwd_mod._attn_fwd_kernel, bwd_mod._bwd_preprocess_kernel,
+                                  bwd_mod._bwd_dkdv_kernel, bwd_mod._bwd_dq_kernel)}
+
+    class Compiled(dict):
+        def get(self, key, default=None):  # every signature is "already compiled"
+            return (kernels[key[0]], fake)
+
+    saved = dict(compiled=_triton._COMPILED, device=_triton._current_device, use=ops.use_kernels)
+    _triton._COMPILED = Compiled()
+    _triton._current_device = lambda: 0
+    ops.use_kernels = lambda q: q.dtype in ops.KERNEL_DTYPES
+    try:
+        yield fake
+    finally:
+        _triton._COMPILED = saved["compiled"]
+        _triton._current_device = saved["device"]
+        ops.use_kernels = saved["use"]
+
+
+def _median_us(fn, calls: int, repeats: int = 5) -> float:
+    for _ in range(min(calls, 100)):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
+
+
+def measure(b=1, h=16, n=512, d=64, causal=True, calls=2000) -> dict:
+    """µs per call of the four paths in the module doc, and the no-op launches each made."""
+    import flashattn
+    from flashattn.backward import attention_backward
+    from flashattn.forward import attention_forward
+    from flashattn.problem import Problem
+
+    q, k, v = (torch.randn(b, h, n, d, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    out = {}
+    with launches_disabled() as fake, torch.autograd.set_multithreading_enabled(False):
+        problem = Problem.of(q, k, causal, None)
+        o, lse = attention_forward(qd, kd, vd, problem)
+        paths = {
+            "fwd": lambda: flashattn.attention(q, k, v, causal=causal),
+            "fwd+bwd": lambda: torch.autograd.grad(flashattn.attention(q, k, v, causal=causal), (q, k, v), do),
+            "launcher fwd": lambda: attention_forward(qd, kd, vd, problem),
+            "launcher bwd": lambda: attention_backward(do, qd, kd, vd, o, lse, problem),
+        }
+        for name, fn in paths.items():
+            before = fake.calls
+            fn()
+            launches = fake.calls - before
+            out[name] = {"us": _median_us(fn, calls if "bwd" not in name else calls // 2), "launches": launches}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.hostcost", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--b", type=int, default=1)
+    ap.add_argument("--h", type=int, default=16)
+    ap.add_argument("--n", type=int, default=512)
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--profile", action="store_true", help="also print cProfile's top functions of fwd+bwd")
+    args = ap.parse_args(argv)
+    res = measure(args.b, args.h, args.n, args.d, args.causal, args.calls)
+    print(f"B={args.b} H={args.h} N={args.n} D={args.d} causal={args.causal}, float16, launches made no-ops:")
+    for name, r in res.items():
+        print(f"  {name:13s} {r['us']:7.1f} µs   ({r['launches']} launches)")
+    if args.profile:
+        import cProfile
+        import pstats
+
+        import flashattn
+
+        q, k, v = (torch.randn(args.b, args.h, args.n, args.d, dtype=torch.float16, requires_grad=True)
+                   for _ in range(3))
+        do = torch.randn_like(q)
+        with launches_disabled(), torch.autograd.set_multithreading_enabled(False):
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(1000):
+                torch.autograd.grad(flashattn.attention(q, k, v, causal=args.causal), (q, k, v), do)
+            prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
