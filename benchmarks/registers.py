@@ -35,6 +35,8 @@ def signature(fn, dtype, consts):
         elif name.endswith("_desc"):  # host tensor descriptors of (B, H, L, D), read in [1, 1, rows, BLOCK_D] tiles
             rows = consts["BLOCK_N"] if name in ("k_desc", "v_desc") else consts["BLOCK_M"]
             sig[name] = f"tensordesc<{dtype}[1, 1, {rows}, {consts['BLOCK_D']}]>"
+        elif name.startswith("CU_SEQLENS") or name == "TILE_OFFSETS":  # packed sequences' int32 tables
+            sig[name] = "*i32"
         elif name in ("LSE", "DELTA", "SLOPES"):
             sig[name] = "*fp32"
         elif name.isupper() and len(name) <= 5 and not name.startswith(("H_", "N_")) and name != "GROUP":
@@ -87,7 +89,7 @@ def main(argv=None):
     extra = [tuple(map(int, a.split(","))) for a in argv[1:]]  # kernel configs to try at D=128
     for kernel, fn, d, block_d, causal, cfg in jobs(extra):
         consts = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      HAS_WINDOW=False, SOFTCAP=False, ALIBI=False, DROPOUT=False)
+                      HAS_WINDOW=False, SOFTCAP=False, ALIBI=False, DROPOUT=False, VARLEN=False)
         try:
             smem, regs, spill, wg = compile_one(fn, dtype, consts, cfg.num_warps, cfg.num_stages)
             print(f"{kernel:9s} D={d:3d} causal={causal!s:5s} {cfg}  smem {smem:6d}  regs {regs:3d}  stack {spill:5d}  wgmma {wg}")

@@ -65,24 +65,33 @@ _INTERPRETER = {
 }
 
 # Hopper (sm_90): measured on an H200 with the tensor-descriptor kernels, fp16, B * N = 16k tokens,
-# hidden 2048 (docs/kernels/tuning-log.md, "TMA pass"). Keyed by (kernel, BLOCK_D); a pair is
-# (non-causal, causal). Causal tiles are smaller where the diagonal makes short rows common; the
-# causal forward at D <= 64 takes 64 x 64 tiles up to N = 2048 (346 against 335 TFLOP/s at N = 2048)
-# and 64 x 128 above (390 against 379 at N = 8192, 414 against 397 at N = 16384).
+# hidden 2048 (docs/kernels/tuning-log.md, "TMA pass" and "Two stages"). Keyed by (kernel, BLOCK_D); a
+# pair is (non-causal, causal). Causal tiles are smaller where the diagonal makes short rows common;
+# the causal forward at D <= 64 takes 64 x 64 tiles up to N = 2048 (293 against 260 TFLOP/s at
+# N = 1024) and 64 x 128 above. The forward runs two pipeline stages, not three: at D <= 64 that is
+# +3% to +13% (64 x 128 tiles), at D = 128 it lets one warpgroup hold a 128-row tile (+3% to +14%).
 _H64 = {
-    "fwd": (KernelConfig(64, 128, 4, 3), ByLength(2048, KernelConfig(64, 64, 4, 3), KernelConfig(64, 128, 4, 3))),
+    "fwd": (KernelConfig(64, 128, 4, 2), ByLength(2048, KernelConfig(64, 64, 4, 3), KernelConfig(64, 128, 4, 2))),
     "bwd_dkdv": (KernelConfig(64, 64, 4, 3), KernelConfig(32, 64, 4, 3)),
     "bwd_dq": KernelConfig(128, 64, 8, 3),
 }
 _SM90 = {
     **{(kernel, block_d): cfg for block_d in (16, 32, 64) for kernel, cfg in _H64.items()},
-    ("fwd", 128): KernelConfig(128, 128, 8, 3),
+    ("fwd", 128): KernelConfig(128, 64, 4, 2),
     ("fwd", 256): KernelConfig(128, 64, 8, 2),
     ("bwd_dkdv", 128): (KernelConfig(64, 128, 8, 3), KernelConfig(32, 128, 8, 3)),
     # causal: 32-row query tiles, about +15% over (64, 64, 8, 2) on bf16 N 1k-16k (tuning log, "D = 256 causal")
     ("bwd_dkdv", 256): (KernelConfig(64, 64, 8, 2), KernelConfig(32, 64, 8, 3)),
     ("bwd_dq", 128): (KernelConfig(128, 64, 8, 4), KernelConfig(128, 64, 8, 3)),
     ("bwd_dq", 256): KernelConfig(128, 64, 8, 1),
+}
+
+# Hopper forward tiles for dropout and sliding windows, where they differ from the table above. One
+# warpgroup holding a 128-row D = 128 tile runs at the 255-register cap; measured at N = 4096, fp16
+# (tuning log, "Two stages"), it loses with dropout (15 against 32 TFLOP/s) and with a window (3-8%),
+# and wins with softcap (+4-5%) and ALiBi (+1-4%); packed sequences read -3% to +1% and keep it too.
+_SM90_DROPOUT_OR_WINDOW = {
+    ("fwd", 128): KernelConfig(128, 128, 8, 3),
 }
 
 # Ampere / Ada and anything else: smaller shared memory, so smaller tiles and shallower pipelines.
@@ -198,8 +207,13 @@ def get_config(kernel: str, problem: Problem, device: torch.device) -> KernelCon
     if is_interpreter() or device.type != "cuda":
         return _INTERPRETER[kernel]
     major, _ = _capability(device.index if device.index is not None else torch.cuda.current_device())
-    table = _SM90 if major == 9 else _DEFAULT
-    return resolve(table[(kernel, problem.block_d)], problem.causal, problem.n)
+    key = (kernel, problem.block_d)
+    if major == 9:
+        entry = _SM90_DROPOUT_OR_WINDOW.get(key) if problem.dropout_p > 0 or problem.window is not None else None
+        entry = entry or _SM90[key]
+    else:
+        entry = _DEFAULT[key]
+    return resolve(entry, problem.causal, problem.n)
 
 
 def resolve(entry, causal: bool, n: int | None) -> KernelConfig:

@@ -312,7 +312,7 @@ def test_every_table_entry_resolves_to_a_launchable_config():
     """Each GPU table entry gives one config per (causal, N); tiles are powers of two and fit the rules."""
     from flashattn import _config
 
-    for table in (_config._SM90, _config._DEFAULT):
+    for table in (_config._SM90, _config._SM90_DROPOUT_OR_WINDOW, _config._DEFAULT):
         for (kernel, block_d), entry in table.items():
             for causal in (False, True):
                 for n in (1, 2048, 2049, 16384):
