@@ -13,6 +13,7 @@ Every variant is the public call ``flashattn.attention`` (the grid's ``flashattn
   that kernel pinned and the others from the table (a backward kernel is judged by the whole
   backward). Candidates: ``_config.tuning_space`` (the table entry and its neighbours) unless
   ``--space '{"128": {"fwd": [[128, 64, 8, 3]]}}'`` names them. The table's own choice is timed first.
+  ``--dropout P`` sweeps the calls with dropout at rate P (and the table entries dropout takes).
 * ``order`` -- heads per group of the causal launch order (``heads_per_group``), causal settings only;
   ``auto`` is the package's own choice; ``--peers`` adds other providers as a control.
 * ``overlap`` -- the backward with ``overlap_dq=True`` (the default: a second stream where the problem is large
@@ -40,15 +41,30 @@ from benchmarks import grid as grid_mod, measure, providers as providers_mod
 KERNEL_PASS = {"fwd": "fwd", "bwd_dkdv": "bwd", "bwd_dq": "bwd"}
 
 
-def _problem(setting):
+def _problem(setting, dropout_p: float = 0.0):
     """The package's description of one grid setting (what the config table and the sweeps key on)."""
     from flashattn.problem import Problem
 
     return Problem(setting.batch, setting.heads, setting.h_kv, setting.seqlen, setting.seqlen, setting.head_dim,
-                   getattr(torch, setting.dtype), setting.causal, setting.head_dim ** -0.5)
+                   getattr(torch, setting.dtype), setting.causal, setting.head_dim ** -0.5, dropout_p=dropout_p)
 
 
-def config_variants(setting, device, kernels=tuple(KERNEL_PASS), space=None) -> list[tuple[str, dict, tuple]]:
+def flashattn_call(setting, device, dropout_p: float = 0.0):
+    """The grid's flashattn provider, with dropout at rate ``dropout_p`` (a fixed seed) when it is > 0."""
+    fn = providers_mod.PROVIDERS["flashattn"].prepare(setting, device)
+    if dropout_p > 0:
+        import functools
+
+        import flashattn
+
+        gqa = fn.gqa
+        fn = functools.partial(flashattn.attention, causal=setting.causal, dropout_p=dropout_p, seed=0)
+        fn.gqa = gqa
+    return fn
+
+
+def config_variants(setting, device, kernels=tuple(KERNEL_PASS), space=None,
+                    dropout_p: float = 0.0) -> list[tuple[str, dict, tuple]]:
     """(label, tuning kwargs, passes) for the table and every candidate of each kernel."""
     from flashattn import _config
 
@@ -57,7 +73,7 @@ def config_variants(setting, device, kernels=tuple(KERNEL_PASS), space=None) -> 
         if space is not None:
             candidates = [_config.KernelConfig(*c) for c in space.get(setting.head_dim, {}).get(kernel, [])]
         else:
-            candidates = _config.tuning_space(kernel, _problem(setting), torch.device(device))
+            candidates = _config.tuning_space(kernel, _problem(setting, dropout_p), torch.device(device))
         for cfg in candidates:
             label = f"{kernel} ({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages})"
             variants.append((label, {kernel: cfg}, (KERNEL_PASS[kernel],)))
@@ -72,18 +88,21 @@ def overlap_variants() -> list[tuple[str, dict, tuple]]:
     return [("overlap_dq", {}, ("bwd",)), ("serial", {"overlap_dq": False}, ("bwd",))]
 
 
-def sweep(settings, variants_for, *, device, timer, peers=(), log=print) -> list[dict]:
-    """Time every variant (``variants_for(setting)``) of flashattn, and each peer, at every setting."""
+def sweep(settings, variants_for, *, device, timer, peers=(), log=print, dropout_p: float = 0.0) -> list[dict]:
+    """Time every variant (``variants_for(setting)``) of flashattn, and each peer, at every setting;
+    flashattn with dropout at rate ``dropout_p`` when it is > 0 (the peers without)."""
     from flashattn import _config
 
     rows = []
     for index, setting in enumerate(settings):
         inputs = measure.make_inputs(setting, device, seed=index)
-        fn = providers_mod.PROVIDERS["flashattn"].prepare(setting, device)
+        fn = flashattn_call(setting, device, dropout_p)
         runs = [(label, fn, kw, passes) for label, kw, passes in variants_for(setting)]
         runs += [(peer, providers_mod.PROVIDERS[peer].prepare(setting, device), None, ("fwd", "bwd")) for peer in peers]
         for label, call, kw, passes in runs:
             row = {"setting": setting.to_dict(), "variant": label}
+            if dropout_p > 0 and kw is not None:  # flashattn's rows, not the peers'
+                row["dropout_p"] = dropout_p
             try:
                 with _config.tuning(**(kw or {})), torch.autograd.set_multithreading_enabled(False):
                     for p in passes:
@@ -150,6 +169,8 @@ def main(argv=None) -> int:
                     help='configs: JSON {"head_dim": {"kernel": [[BLOCK_M, BLOCK_N, warps, stages], ...]}}')
     ap.add_argument("--groups", default="1,2,4,8,16,32,64", help="order: heads-per-group caps to time")
     ap.add_argument("--peers", default="", help="comma-separated providers timed beside (order, overlap, configs)")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="configs, order, overlap: flashattn with this dropout rate (its table entries and neighbours)")
     ap.add_argument("--warmup-ms", type=int, default=10)
     ap.add_argument("--rep-ms", type=int, default=50)
     ap.add_argument("--device", default="cuda")
@@ -167,13 +188,15 @@ def main(argv=None) -> int:
     if args.mode == "configs":
         space = ({int(d): ks for d, ks in json.loads(args.space).items()} if args.space else None)
         kernels = _strs(args.kernels)
-        rows = sweep(settings, lambda s: config_variants(s, args.device, kernels, space), device=args.device,
-                     timer=timer, peers=peers, log=log)
+        rows = sweep(settings, lambda s: config_variants(s, args.device, kernels, space, args.dropout),
+                     device=args.device, timer=timer, peers=peers, log=log, dropout_p=args.dropout)
     elif args.mode == "order":
         groups = _ints(args.groups)
-        rows = sweep(settings, lambda s: order_variants(groups), device=args.device, timer=timer, peers=peers, log=log)
+        rows = sweep(settings, lambda s: order_variants(groups), device=args.device, timer=timer, peers=peers, log=log,
+                     dropout_p=args.dropout)
     elif args.mode == "overlap":
-        rows = sweep(settings, lambda s: overlap_variants(), device=args.device, timer=timer, peers=peers, log=log)
+        rows = sweep(settings, lambda s: overlap_variants(), device=args.device, timer=timer, peers=peers, log=log,
+                     dropout_p=args.dropout)
     else:
         rows = profile(settings, device=args.device, log=log)
     env = environment(args.device) if args.device != "cpu" else {"device": "cpu"}

@@ -751,6 +751,23 @@ def test_config_sweep_defaults_to_the_package_neighbourhood():
         assert cfgs and cfgs[0] == _config.get_config(kernel, tune._problem(s), torch.device("cpu"))
 
 
+def test_config_sweep_with_dropout_calls_flashattn_with_it(monkeypatch):
+    """--dropout: the swept calls drop (seeded, so repeatable), the candidates come from the dropout
+    problem's table entry, and flashattn's rows say so; without it the call is the grid's."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the CPU reference path
+    s = grid.make_setting("float32", 16, False, 16, tokens=16, hidden=32)
+    q, k, v, _ = measure.make_inputs(s, "cpu", seed=0)
+    plain = tune.flashattn_call(s, "cpu")(q, k, v)
+    dropped = tune.flashattn_call(s, "cpu", 0.5)
+    once, again = dropped(q, k, v), dropped(q, k, v)
+    assert torch.equal(once, again) and not torch.allclose(once, plain)
+    assert torch.equal(tune.flashattn_call(s, "cpu", 0.0)(q, k, v), plain)
+    assert tune._problem(s, 0.5).dropout_p == 0.5 and tune._problem(s).dropout_p == 0.0
+    rows = tune.sweep([s], lambda st: tune.config_variants(st, "cpu", ("fwd",), {16: {"fwd": [[32, 16, 4, 1]]}}, 0.5),
+                      device="cpu", timer=fake_timer, peers=("reference",), log=lambda x: None, dropout_p=0.5)
+    assert [r.get("dropout_p") for r in rows] == [0.5, 0.5, None]
+
+
 def test_order_and_overlap_sweeps_set_their_switch():
     s = grid.make_setting("float32", 16, True, 16, tokens=16, hidden=32)
     seen = []
