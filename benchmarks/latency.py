@@ -18,7 +18,10 @@ events around the GPU work of each call) hide most of that, so this section time
 
 Passes: ``fwd`` is a training forward (q, k, v require grad, as in the grid); ``fwd_bwd`` is
 ``torch.autograd.grad(fn(q, k, v), (q, k, v), do)``: the forward and the whole backward, no gradient
-accumulation. Modes: ``eager``; ``compile`` = ``torch.compile(fn, fullgraph=True, dynamic=True)``;
+accumulation. Modes: ``eager``; ``eager-one-thread`` = the same calls with the loop inside
+``torch.autograd.set_multithreading_enabled(False)``, so each backward runs on the calling thread
+instead of autograd's worker thread for the device (a switch a training script can set once);
+``compile`` = ``torch.compile(fn, fullgraph=True, dynamic=True)``;
 ``reduce-overhead`` = the same with ``mode="reduce-overhead"`` (CUDA graphs), each call preceded by
 ``torch.compiler.cudagraph_mark_step_begin()`` as a loop of such calls needs. ``dynamic=True``
 compiles each provider once per mask instead of once per shape (the section would otherwise spend
@@ -60,8 +63,11 @@ TIMER_HOW = ("wall clock (time.perf_counter) over n back-to-back calls between t
              "no L2 flush")
 FWD_HOW = "fn(q, k, v) with q, k, v requiring grad (a training forward)"
 FWD_BWD_HOW = "torch.autograd.grad(fn(q, k, v), (q, k, v), do): forward and whole backward, no accumulation"
+EAGER_MODES = ("eager", "eager-one-thread")
 MODE_HOW = {
     "eager": "the provider's call as it is",
+    "eager-one-thread": ("the provider's call as it is, timed inside torch.autograd.set_multithreading_enabled(False): "
+                         "the backward runs on the calling thread"),
     "compile": "torch.compile(fn, fullgraph=True, dynamic=True)",
     "reduce-overhead": ("torch.compile(fn, fullgraph=True, dynamic=True, mode='reduce-overhead'); "
                         "torch.compiler.cudagraph_mark_step_begin() before each call"),
@@ -139,7 +145,7 @@ def _step(fn, q, k, v, do, extras, p, mode):
 
 
 def _compiled(parts, mode, compile_fn):
-    if mode == "eager":
+    if mode in EAGER_MODES:
         return parts.eager
     kwargs = {"fullgraph": True, "dynamic": True}
     if mode == "reduce-overhead":
@@ -183,7 +189,7 @@ def _measure_shape(setting, provider, mode, passes, *, device, measure_fn, compi
     q, k, v, do = measure.make_inputs(setting, device, seed=seed)
     try:
         parts = provider.latency_parts(setting, device, compile_fn)
-        if mode != "eager" and not parts.compiled_modes:
+        if mode not in EAGER_MODES and not parts.compiled_modes:
             return [_record(setting, provider, mode, p, status="skipped",
                             error=f"not compiled again: {parts.note}") for p in passes]
         fn = _compiled(parts, mode, compile_fn)
@@ -192,7 +198,9 @@ def _measure_shape(setting, provider, mode, passes, *, device, measure_fn, compi
         return [_record(setting, provider, mode, p, status=status, error=message) for p in passes]
     out = []
     context = parts.context() if parts.context is not None else contextlib.nullcontext()
-    with context:
+    one_thread = (torch.autograd.set_multithreading_enabled(False) if mode == "eager-one-thread"
+                  else contextlib.nullcontext())
+    with context, one_thread:
         for p in passes:
             call = _step(fn, q, k, v, do, parts.extras, p, mode)
             with warnings.catch_warnings(record=True) as caught:

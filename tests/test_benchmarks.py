@@ -523,13 +523,13 @@ def run_tiny_latency(provs, compile_fn, **kw):
 def test_latency_runs_every_provider_mode_and_pass():
     compile_fn = RecordingCompile()
     recs = run_tiny_latency([providers.PROVIDERS["flashattn"], providers.PROVIDERS["reference"]], compile_fn)
-    assert len(recs) == 2 * 2 * 3 * 2  # shapes (2 masks) x providers x modes x passes
+    assert len(recs) == 2 * 2 * 4 * 2  # shapes (2 masks) x providers x modes x passes
     assert all(r["status"] == "ok" and r["us_per_call"] > 0 and r["host_us_per_call"] > 0 for r in recs)
     assert all(r["host_us_per_call"] <= r["us_per_call"] * (1 + 1e-9) for r in recs)  # on a CPU: no queue
     modes = {kw.get("mode") for kw in compile_fn.calls}
     assert modes == {None, "reduce-overhead"}
     assert all(kw["fullgraph"] and kw["dynamic"] for kw in compile_fn.calls)
-    assert len(compile_fn.calls) == 2 * 2 * 2  # shapes x providers x compiled modes: eager is never compiled
+    assert len(compile_fn.calls) == 2 * 2 * 2  # shapes x providers x compiled modes: the eager modes never compile
     results.validate_latency(latency.section(tiny_shapes(), [providers.PROVIDERS["reference"]], [
         r for r in recs if r["provider"] == "reference"], latency.WallClock()), {"reference": {}})
 
@@ -537,7 +537,7 @@ def test_latency_runs_every_provider_mode_and_pass():
 def test_latency_records_a_failed_compile_and_goes_on():
     recs = run_tiny_latency([providers.PROVIDERS["reference"]], RecordingCompile(fail=True))
     for r in recs:
-        if r["mode"] == "eager":
+        if r["mode"] in latency.EAGER_MODES:
             assert r["status"] == "ok"
         else:
             assert r["status"] == "error" and "native_specialize_impl" in r["error"]
@@ -571,6 +571,32 @@ def test_latency_enters_a_backend_context_once_per_shape_not_per_call():
     assert prov.entered == len(tiny_shapes())
 
 
+class ThreadSwitchSpy(providers.Provider):
+    """The reference, recording whether the autograd engine may use its worker threads during each call."""
+
+    name, label = "reference", "thread spy"
+
+    def __init__(self):
+        self.seen = []
+
+    def latency_parts(self, setting, device, compile_fn):
+        from flashattn.reference import naive_attention
+
+        def fn(q, k, v):
+            self.seen.append(torch.autograd.is_multithreading_enabled())
+            return naive_attention(q, k, v, causal=setting.causal)[0]
+        return providers.LatencyParts(fn)
+
+
+def test_latency_one_thread_mode_runs_the_calls_with_the_engine_threads_off():
+    for mode, expected in (("eager", True), ("eager-one-thread", False)):
+        spy = ThreadSwitchSpy()
+        recs = run_tiny_latency([spy], RecordingCompile(), modes=(mode,))
+        assert all(r["status"] == "ok" and r["mode"] == mode for r in recs)
+        assert spy.seen and set(spy.seen) == {expected}
+    assert torch.autograd.is_multithreading_enabled()  # restored after the measurement
+
+
 class CompiledOnly(providers.Provider):
     """Like FlexAttention: the eager column is already a compiled call; compiling again is skipped."""
 
@@ -585,7 +611,7 @@ def test_latency_skips_compiling_a_provider_twice_and_says_why():
     compile_fn = RecordingCompile()
     recs = run_tiny_latency([CompiledOnly()], compile_fn)
     for r in recs:
-        if r["mode"] == "eager":
+        if r["mode"] in latency.EAGER_MODES:
             assert r["status"] == "ok" and r["note"] == "eager = compiled already"
         else:
             assert r["status"] == "skipped" and "eager = compiled already" in r["error"]
@@ -625,10 +651,10 @@ def latency_results(flash_us, sdpa_us):
 
 
 def test_latency_table_marks_the_targets(tmp_path):
-    res = latency_results({"eager": 30.0, "compile": 25.0, "reduce-overhead": 24.0}, sdpa_us=20.0)
+    res = latency_results({"eager": 30.0, "eager-one-thread": 28.0, "compile": 25.0, "reduce-overhead": 24.0}, sdpa_us=20.0)
     table = report.latency_target_table(res)
     rows = [line for line in table.splitlines() if line.startswith("| bfloat16 | 64 | non-causal | fwd |")]
-    assert rows == ["| bfloat16 | 64 | non-causal | fwd | 1.50× ✓ | 1.25× | 1.20× ✗ (>1.1) |"]
+    assert rows == ["| bfloat16 | 64 | non-causal | fwd | 1.50× ✓ | 1.40× | 1.25× | 1.20× ✗ (>1.1) |"]
     paths = report.write_all(res, tmp_path)
     assert sorted(p.name for p in paths) == ["latency_fwd.png", "latency_fwd_bwd.png", "summary.md"]
     summary = (tmp_path / "summary.md").read_text()
@@ -659,7 +685,7 @@ def test_committed_results_render_with_and_without_their_latency_section(tmp_pat
     (lambda r: r["latency"].pop("config"), "config"),
 ])
 def test_latency_validation_rejects(break_it, words):
-    res = latency_results({"eager": 30.0, "compile": 25.0, "reduce-overhead": 24.0}, sdpa_us=20.0)
+    res = latency_results({"eager": 30.0, "eager-one-thread": 28.0, "compile": 25.0, "reduce-overhead": 24.0}, sdpa_us=20.0)
     break_it(res)
     with pytest.raises(ValueError, match=words):
         results.validate(res)
