@@ -223,7 +223,7 @@ def resolve(entry, causal: bool, n: int | None) -> KernelConfig:
 
 
 def tuning_space(kernel: str, problem: Problem, device: torch.device) -> list[KernelConfig]:
-    """A pruned neighbourhood of the table entry: the entry itself first, then at most nine variants.
+    """A pruned neighbourhood of the table entry: the entry itself first, then at most ten variants.
 
     Same tile with other warps / pipeline depths first (two stages included: one warpgroup with two
     stages won the D = 128 forward, tuning log "Two stages"), then the tile halved or doubled along
@@ -231,14 +231,14 @@ def tuning_space(kernel: str, problem: Problem, device: torch.device) -> list[Ke
     """
     base = get_config(kernel, problem, device)
     variants = [base]
-    for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3), (8, 4)):
+    for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4)):
         variants.append(KernelConfig(base.block_m, base.block_n, warps, stages))
     for bm, bn in ((base.block_m, base.block_n * 2), (base.block_m, base.block_n // 2),
                    (base.block_m // 2, base.block_n), (base.block_m * 2, base.block_n)):
         if 16 <= bm and 16 <= bn and bm * bn <= (128 * 64 if problem.block_d >= 256 else 128 * 128):
             variants.append(KernelConfig(bm, bn, base.num_warps, base.num_stages))
     unique = list(dict.fromkeys(variants))
-    return unique[:10]
+    return unique[:11]
 
 
 _TUNED: dict = {}  # autotuning results: (kernel, device, problem) -> the fastest config measured
