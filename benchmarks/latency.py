@@ -198,9 +198,9 @@ def _measure_shape(setting, provider, mode, passes, *, device, measure_fn, compi
         return [_record(setting, provider, mode, p, status=status, error=message) for p in passes]
     out = []
     context = parts.context() if parts.context is not None else contextlib.nullcontext()
-    one_thread = (torch.autograd.set_multithreading_enabled(False) if mode == "eager-one-thread"
-                  else contextlib.nullcontext())
-    with context, one_thread:
+    # set_multithreading_enabled switches on construction: built inside the with, restored on its exit
+    with context, (torch.autograd.set_multithreading_enabled(False) if mode == "eager-one-thread"
+                   else contextlib.nullcontext()):
         for p in passes:
             call = _step(fn, q, k, v, do, parts.extras, p, mode)
             with warnings.catch_warnings(record=True) as caught:

@@ -29,6 +29,7 @@ Inputs, timer (``do_bench`` medians) and FLOP count are the grid's.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -53,12 +54,7 @@ def flashattn_call(setting, device, dropout_p: float = 0.0):
     """The grid's flashattn provider, with dropout at rate ``dropout_p`` (a fixed seed) when it is > 0."""
     fn = providers_mod.PROVIDERS["flashattn"].prepare(setting, device)
     if dropout_p > 0:
-        import functools
-
-        import flashattn
-
-        gqa = fn.gqa
-        fn = functools.partial(flashattn.attention, causal=setting.causal, dropout_p=dropout_p, seed=0)
+        fn, gqa = functools.partial(fn, dropout_p=dropout_p, seed=0), fn.gqa
         fn.gqa = gqa
     return fn
 

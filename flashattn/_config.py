@@ -208,11 +208,12 @@ def get_config(kernel: str, problem: Problem, device: torch.device) -> KernelCon
         return _INTERPRETER[kernel]
     major, _ = _capability(device.index if device.index is not None else torch.cuda.current_device())
     key = (kernel, problem.block_d)
-    if major == 9:
-        entry = _SM90_DROPOUT_OR_WINDOW.get(key) if problem.dropout_p > 0 or problem.window is not None else None
-        entry = entry or _SM90[key]
-    else:
+    if major != 9:
         entry = _DEFAULT[key]
+    elif (problem.dropout_p > 0 or problem.window is not None) and key in _SM90_DROPOUT_OR_WINDOW:
+        entry = _SM90_DROPOUT_OR_WINDOW[key]
+    else:
+        entry = _SM90[key]
     return resolve(entry, problem.causal, problem.n)
 
 

@@ -12,17 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()  # without CUDA, tests/conftest.py turned the interpreter on
+import flashattn.decode_kernels
+from flashattn import reference
+from flashattn.decode import attention_with_kvcache
+from flashattn.testing import assert_close_ratio
 
-import flashattn.decode_kernels  # noqa: E402
-from flashattn import reference  # noqa: E402
-from flashattn.decode import attention_with_kvcache  # noqa: E402
-from flashattn.testing import assert_close_ratio  # noqa: E402
+from devices import DEVICE, HAS_CUDA, cpu_only, gpu, needs_cuda
 
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-cpu_only = pytest.mark.skipif(HAS_CUDA, reason="interpreter variant; the GPU runs the gpu-marked tests")
 DTYPES = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 
 

@@ -18,11 +18,7 @@ from flashattn.problem import Problem
 from flashattn.reference import naive_attention
 from flashattn.testing import assert_close_ratio, random_qkv, rel_err
 
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-cpu_only = pytest.mark.skipif(HAS_CUDA, reason="interpreter variant; the GPU runs the gpu-marked tests")
+from devices import DEVICE, HAS_CUDA, cpu_only, gpu, needs_cuda
 
 
 def _inputs(b, h_q, h_kv, n, m, d, dtype, *, layout="bhnd", std=1.0, seed=0):

@@ -17,9 +17,8 @@ from flashattn import schedule
 from flashattn.reference import naive_attention
 from flashattn.testing import assert_close_ratio, random_qkv
 
-HAS_CUDA = torch.cuda.is_available()
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+from devices import HAS_CUDA, gpu, needs_cuda
+
 needs_two_gpus = pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
 

@@ -23,11 +23,8 @@ from flashattn.problem import Problem
 from flashattn.reference import dropout_keep, dropout_keep_mask, naive_attention, online_backward, online_forward
 from flashattn.testing import assert_block_grid_is_exact, assert_close_ratio, random_qkv
 
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-cpu_only = pytest.mark.skipif(HAS_CUDA, reason="interpreter variant; the GPU runs the gpu-marked tests")
+from devices import DEVICE, cpu_only, gpu, needs_cuda
+
 device_keep = _triton.dropout_keep  # a module global, so the test kernel below can call it
 
 

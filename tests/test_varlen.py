@@ -16,11 +16,7 @@ import flashattn
 from flashattn import reference, schedule
 from flashattn.testing import assert_close_ratio
 
-HAS_CUDA = torch.cuda.is_available()  # without CUDA, tests/conftest.py turned the interpreter on
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-cpu_only = pytest.mark.skipif(HAS_CUDA, reason="interpreter variant; the GPU runs the gpu-marked tests")
+from devices import DEVICE, cpu_only, gpu, needs_cuda
 
 
 def _cu(lengths, device=DEVICE):
