@@ -1,6 +1,6 @@
 """Compile every kernel for sm_90 without a GPU and report registers, stack (spills) and shared memory.
 
-    PYTHONPATH=. python -m benchmarks.registers [fp16|bf16] [BM,BN,WARPS,STAGES ...]   # no GPU needed
+    PYTHONPATH=. python -m benchmarks.registers [fp16|bf16] [--dropout] [BM,BN,WARPS,STAGES ...]   # no GPU needed
 
 Uses the Triton installed where it runs (on a CPU machine that may not be the GPU's version; the
 tuning log's numbers came from Triton 3.6, the GPU image's, so treat other versions' as leads).
@@ -65,16 +65,17 @@ def compile_one(fn, dtype, consts, warps, stages):
     return k.metadata.shared, int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1, wgmma
 
 
-def jobs(extra=()) -> list[tuple]:
+def jobs(extra=(), dropout: bool = False) -> list[tuple]:
     """(kernel, jit function, D, BLOCK_D, causal, KernelConfig) for every Hopper table entry (at N = 2k and
-    16k, where a :class:`_config.ByLength` entry differs), then each ``extra`` config at D = 128, causal."""
+    16k, where a :class:`_config.ByLength` entry differs; the dropout entries with ``dropout``), then each
+    ``extra`` config at D = 128, causal."""
     out = []
     kernels = (("fwd", forward._attn_fwd_kernel), ("bwd_dkdv", backward._bwd_dkdv_kernel),
                ("bwd_dq", backward._bwd_dq_kernel))
     for d, block_d in ((64, 64), (128, 128), (72, 128), (256, 256), (16, 16)):
         for causal in (False, True):
             for kernel, fn in kernels:
-                entry = _config._SM90[(kernel, block_d)]
+                entry = _config.sm90_entry(kernel, block_d, dropout=dropout)
                 for cfg in dict.fromkeys(_config.resolve(entry, causal, n) for n in (2048, 16384)):
                     out.append((kernel, fn, d, block_d, causal, cfg))
     for bm, bn, w, s in extra:
@@ -84,12 +85,14 @@ def jobs(extra=()) -> list[tuple]:
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
+    dropout = "--dropout" in argv  # the kernels as dropout compiles them (the table's dropout tiles)
+    argv = [a for a in argv if a != "--dropout"]
     dtype = argv[0] if argv else "fp16"
     extra = [tuple(map(int, a.split(","))) for a in argv[1:]]  # kernel configs to try at D=128
-    for kernel, fn, d, block_d, causal, cfg in jobs(extra):
+    for kernel, fn, d, block_d, causal, cfg in jobs(extra, dropout):
         consts = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      HAS_WINDOW=False, SOFTCAP=False, ALIBI=False, DROPOUT=False, VARLEN=False)
+                      HAS_WINDOW=False, SOFTCAP=False, ALIBI=False, DROPOUT=dropout, VARLEN=False)
         try:
             smem, regs, spill, wg = compile_one(fn, dtype, consts, cfg.num_warps, cfg.num_stages)
             print(f"{kernel:9s} D={d:3d} causal={causal!s:5s} {cfg}  smem {smem:6d}  regs {regs:3d}  stack {spill:5d}  wgmma {wg}")

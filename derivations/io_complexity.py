@@ -107,7 +107,7 @@ def config_block_ms():
     from flashattn import _config
 
     out = []
-    for table_name in ("_SM90", "_SM90_DROPOUT_OR_WINDOW", "_DEFAULT"):
+    for table_name in ("_SM90", "_SM90_WINDOW", "_SM90_DROPOUT", "_DEFAULT"):
         for (kernel, block_d), entry in getattr(_config, table_name).items():
             if kernel != "fwd":
                 continue

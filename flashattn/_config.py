@@ -86,13 +86,32 @@ _SM90 = {
     ("bwd_dq", 256): KernelConfig(128, 64, 8, 1),
 }
 
-# Hopper forward tiles for dropout and sliding windows, where they differ from the table above. One
-# warpgroup holding a 128-row D = 128 tile runs at the 255-register cap; measured at N = 4096, fp16
-# (tuning log, "Two stages"), it loses with dropout (15 against 32 TFLOP/s) and with a window (3-8%),
-# and wins with softcap (+4-5%) and ALiBi (+1-4%); packed sequences read -3% to +1% and keep it too.
-_SM90_DROPOUT_OR_WINDOW = {
+# Hopper forward tiles for sliding windows and for dropout, where they differ from the table above.
+# One warpgroup holding a 128-row D = 128 tile runs at the 255-register cap; measured at N = 4096,
+# fp16 (tuning log, "Two stages"), it loses with a window (3-8%) and wins with softcap (+4-5%) and
+# ALiBi (+1-4%); packed sequences read -3% to +1% and keep it too. Dropout draws its mask inside the
+# loop, which takes registers and, to spread each draw's eight lanes over the tile, shared memory:
+# measured at N = 8192, fp16, 64 x 64 forward tiles with one warpgroup are the fastest with it at
+# D = 64 and 128 (the table's own tiles are 1.03-1.9x slower), and the causal dK/dV tile serves
+# both masks (5% over the non-causal one; tuning log, "Eight keys per draw").
+_SM90_WINDOW = {
     ("fwd", 128): KernelConfig(128, 128, 8, 3),
 }
+_SM90_DROPOUT = {
+    **{("fwd", block_d): KernelConfig(64, 64, 4, 2) for block_d in (16, 32, 64, 128)},
+    ("bwd_dkdv", 128): KernelConfig(32, 128, 8, 3),
+}
+
+
+def sm90_entry(kernel: str, block_d: int, *, dropout: bool = False, window: bool = False):
+    """The Hopper table's entry for ``kernel`` at ``block_d``: dropout's tiles first, then a window's."""
+    key = (kernel, block_d)
+    if dropout and key in _SM90_DROPOUT:
+        return _SM90_DROPOUT[key]
+    if window and key in _SM90_WINDOW:
+        return _SM90_WINDOW[key]
+    return _SM90[key]
+
 
 # Ampere / Ada and anything else: smaller shared memory, so smaller tiles and shallower pipelines.
 # Not measured yet (no such GPU was available): conservative choices that fit 100 KB of shared memory.
@@ -207,13 +226,10 @@ def get_config(kernel: str, problem: Problem, device: torch.device) -> KernelCon
     if is_interpreter() or device.type != "cuda":
         return _INTERPRETER[kernel]
     major, _ = _capability(device.index if device.index is not None else torch.cuda.current_device())
-    key = (kernel, problem.block_d)
     if major != 9:
-        entry = _DEFAULT[key]
-    elif (problem.dropout_p > 0 or problem.window is not None) and key in _SM90_DROPOUT_OR_WINDOW:
-        entry = _SM90_DROPOUT_OR_WINDOW[key]
+        entry = _DEFAULT[(kernel, problem.block_d)]
     else:
-        entry = _SM90[key]
+        entry = sm90_entry(kernel, problem.block_d, dropout=problem.dropout_p > 0, window=problem.window is not None)
     return resolve(entry, problem.causal, problem.n)
 
 

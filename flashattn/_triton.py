@@ -127,22 +127,32 @@ def score_mods(qk, rows, cols, N_CTX_Q, N_CTX_K, qk_scale, cap_in, cap_out, slop
 
 # --8<-- [start:dropout-mask]
 @triton.jit
-def dropout_keep(seed_lo, seed_hi, i_bh, rows, cols, threshold):
-    """Which entries of a tile of P survive dropout: a pure function of (seed, b * Hq + h, i, j).
+def dropout_keep(seed_lo, seed_hi, i_bh, rows, first_col, threshold, BLOCK_N: tl.constexpr):
+    """Which entries of the tile (rows, first_col .. first_col + BLOCK_N) of P survive dropout: a
+    [len(rows), BLOCK_N] mask, a pure function of (seed, b * Hq + h, i, j).
 
-    One Philox-4x32-10 draw per entry (Triton's ``tl.philox``), keyed by the 62-bit seed (passed as
-    two 31-bit halves, so every launch has the same argument types) and counted by three separate
-    32-bit words: the key index ``j``, the query index ``i`` and ``b * Hq + h``. No word ever wraps,
-    whatever B * H * N * M is. An entry is dropped when the top 31 bits of the first output word fall
-    below ``threshold = floor(p * 2^31)``, i.e. with probability p. ``rows``/``cols`` broadcast to
-    the tile, in either orientation: the same (i, j) gives the same bit in every kernel.
+    One Philox-4x32-10 draw (Triton's ``tl.philox``) serves eight neighbouring keys of one row: it is
+    keyed by the 62-bit seed (passed as two 31-bit halves, so every launch has the same argument
+    types) and counted by three separate 32-bit words, the key group ``j // 8``, the query index ``i``
+    and ``b * Hq + h``, so no word ever wraps, whatever B * H * N * M is. Its four 32-bit output words
+    give eight 16-bit lanes; key ``j`` reads lane ``j % 8`` = 2 w + h, the low (h = 0) or high
+    (h = 1) half of word w. An entry is dropped when its lane falls below
+    ``threshold = floor(p * 2^16)``. ``first_col`` must be a multiple of 8 (key tiles start at
+    multiples of BLOCK_N); a kernel with transposed tiles transposes the result, so the same (i, j)
+    gives the same bit in every kernel.
     """
     seed = (seed_hi.to(tl.int64) << 31) | seed_lo.to(tl.int64)
-    c0 = (cols + rows * 0).to(tl.uint32)  # every counter word spans the whole tile
-    c1 = (rows + cols * 0).to(tl.uint32)
+    groups = first_col // 8 + tl.arange(0, BLOCK_N // 8)  # [BLOCK_N // 8]
+    c0 = (groups[None, :] + rows[:, None] * 0).to(tl.uint32)  # every counter word spans the draws' tile
+    c1 = (rows[:, None] + groups[None, :] * 0).to(tl.uint32)
     c2 = (c0 * 0 + i_bh).to(tl.uint32)
-    r0, _, _, _ = tl.philox(seed, c0, c1, c2, c2 * 0)
-    return (r0 >> 1).to(tl.int32, bitcast=True) >= threshold
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c2 * 0)  # [rows, BLOCK_N // 8] each
+    # join appends an axis: words[..., a, b] = r_(2a + b), then lanes[..., a, b, h] = half h of it,
+    # so the row-major flattening of the last three axes is the lane 2 w + h.
+    words = tl.join(tl.join(r0, r2), tl.join(r1, r3))
+    lanes = tl.join(words & 0xFFFF, words >> 16)
+    lanes = tl.reshape(lanes, [rows.shape[0], BLOCK_N])
+    return lanes.to(tl.int32) >= threshold
 # --8<-- [end:dropout-mask]
 
 

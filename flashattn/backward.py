@@ -106,12 +106,14 @@ def _load_row_stats(p_lse2, p_delta, mask_rows, CHECK_ROWS: tl.constexpr):
 def _bwd_dkdv_inner(
     b_dk, b_dv, b_k, b_v,  #
     q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,  #
-    offs_m, offs_n, lo, hi, N_CTX_Q, N_CTX_K, qk_scale,  #
+    offs_m, offs_n, first_key, lo, hi, N_CTX_Q, N_CTX_K, qk_scale,  #
     win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh, drop_threshold, inv_keep,  #
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,  #
-    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
+    BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,  #
+    DROPOUT: tl.constexpr,
 ):
-    """Add the contributions of the query blocks starting in [lo, hi) to this key block's dK, dV."""
+    """Add the contributions of the query blocks starting in [lo, hi) to this key block's dK, dV.
+    ``offs_n`` holds the block's key indices and ``first_key`` the first of them (the dropout mask's)."""
     p_lse2 += lo
     p_delta += lo
     for start_m in range(lo, hi, BLOCK_M):
@@ -144,7 +146,7 @@ def _bwd_dkdv_inner(
             # The forward's mask, drawn again from the seed (same (i, j), transposed tile): dV takes
             # the dropped P (its 1 / (1 - p) joins once, at the end), and dS = P * (Z * dP / (1 - p) - delta)
             # with delta = rowsum(dO * O) as without dropout.
-            keep_t = dropout_keep(seed_lo, seed_hi, i_bh, rows[None, :], offs_n[:, None], drop_threshold)
+            keep_t = tl.trans(dropout_keep(seed_lo, seed_hi, i_bh, rows, first_key, drop_threshold, BLOCK_N))
             b_dv += tl.dot(tl.where(keep_t, p_t, 0.0).to(b_do.dtype), b_do)
             ds_t = p_t * (tl.where(keep_t, dp_t * inv_keep, 0.0) - b_delta[None, :])
         # --8<-- [end:bwd-dropout]
@@ -242,20 +244,20 @@ def _bwd_dkdv_kernel(
         if ALIBI:
             slope2 = tl.load(SLOPES + i_b * stride_slope_b + i_hq) * LOG2E
         b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
-                                     offs_m, offs_n, lo, full_start, N_CTX_Q, N_CTX_K, qk_scale,
+                                     offs_m, offs_n, start_n, lo, full_start, N_CTX_Q, N_CTX_K, qk_scale,
                                      win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bhq,
                                      drop_threshold, inv_keep,
-                                     True, CAUSAL, BLOCK_M, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
+                                     True, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
         b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
-                                     offs_m, offs_n, full_start, full_end, N_CTX_Q, N_CTX_K, qk_scale,
+                                     offs_m, offs_n, start_n, full_start, full_end, N_CTX_Q, N_CTX_K, qk_scale,
                                      win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bhq,
                                      drop_threshold, inv_keep,
-                                     False, CAUSAL, BLOCK_M, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
+                                     False, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
         b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
-                                     offs_m, offs_n, full_end, hi, N_CTX_Q, N_CTX_K, qk_scale,
+                                     offs_m, offs_n, start_n, full_end, hi, N_CTX_Q, N_CTX_K, qk_scale,
                                      win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bhq,
                                      drop_threshold, inv_keep,
-                                     True, CAUSAL, BLOCK_M, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
+                                     True, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
 
     b_dk *= scale  # S = scale * Q K^T, so dK = scale * dS^T Q
     if DROPOUT:
@@ -296,7 +298,7 @@ def _bwd_dq_inner(
             p = tl.where(tile_mask(offs_m[:, None], cols[None, :], N_CTX_Q, N_CTX_K, win_left, win_right,
                                    CAUSAL, HAS_WINDOW), p, 0.0)
         if DROPOUT:
-            keep = dropout_keep(seed_lo, seed_hi, i_bh, offs_m[:, None], cols[None, :], drop_threshold)
+            keep = dropout_keep(seed_lo, seed_hi, i_bh, offs_m, start_n, drop_threshold, BLOCK_N)
             ds = p * (tl.where(keep, dp * inv_keep, 0.0) - b_delta[:, None])  # dS = P * (Z dP / (1 - p) - delta)
         else:
             ds = p * (dp - b_delta[:, None])  # dS = P * (dP - delta)

@@ -109,7 +109,7 @@ def _fwd_inner(
         if DROPOUT:
             # l_i above summed every entry: the softmax normalizes before dropout. Only P V sees the
             # dropped P; the kept entries' 1 / (1 - p) joins once, in the epilogue.
-            keep = dropout_keep(seed_lo, seed_hi, i_bh, offs_m[:, None], cols[None, :], drop_threshold)
+            keep = dropout_keep(seed_lo, seed_hi, i_bh, offs_m, start_n, drop_threshold, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         # --8<-- [end:fwd-dropout]
         b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]

@@ -103,10 +103,12 @@ class Problem:
 
     @property
     def dropout_threshold(self) -> int:
-        """An entry is dropped when the top 31 bits of its Philox word are below this: floor(p * 2^31)."""
+        """An entry is dropped when its 16-bit Philox lane is below this: floor(p * 2^16)."""
         return dropout_threshold(self.dropout_p)
 
 
 def dropout_threshold(p: float) -> int:
-    """floor(p * 2^31): the 31-bit random integer below which an entry of P is dropped."""
-    return int(p * 2.0**31)
+    """floor(p * 2^16): the 16-bit random integer below which an entry of P is dropped. The drop
+    probability is therefore p rounded down to a multiple of 2^-16 (kept entries are still scaled by
+    1 / (1 - p)); the kernels read eight such lanes from each Philox draw."""
+    return int(p * 2.0**16)

@@ -128,15 +128,18 @@ def philox(seed: int, c0, c1, c2, c3, rounds: int = 10):
 
 def dropout_keep(seed: int, i_bh, rows, cols, p: float) -> torch.Tensor:
     """The kernels' keep decision (:func:`flashattn._triton.dropout_keep`) for broadcastable index
-    tensors: counters (j, i, b * Hq + h, 0), dropped when the top 31 bits of the first word are
-    below floor(p * 2^31)."""
+    tensors, entry by entry: the draw counted by (j // 8, i, b * Hq + h, 0), its lane j % 8 = 2 w + h
+    (half h of word w), dropped when that 16-bit lane is below floor(p * 2^16)."""
     from flashattn.problem import dropout_threshold
 
     rows, cols, i_bh = (torch.as_tensor(x).to(torch.int64) for x in (rows, cols, i_bh))
     shape = torch.broadcast_shapes(rows.shape, cols.shape, i_bh.shape)
-    c0, c1, c2 = (x.expand(shape) for x in (cols, rows, i_bh))
-    r0, _, _, _ = philox(seed, c0, c1, c2, torch.zeros_like(c0))
-    return (r0 >> 1) >= dropout_threshold(p)
+    c0, c1, c2 = (x.expand(shape) for x in (cols // 8, rows, i_bh))
+    words = torch.stack(philox(seed, c0, c1, c2, torch.zeros_like(c0)), dim=-1)  # [..., 4]
+    lane = (cols % 8).expand(shape)
+    word = words.gather(-1, (lane // 2).unsqueeze(-1)).squeeze(-1)
+    bits = (word >> (16 * (lane % 2))) & 0xFFFF
+    return bits >= dropout_threshold(p)
 # --8<-- [end:philox]
 
 

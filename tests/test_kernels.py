@@ -305,26 +305,36 @@ def test_outputs_keep_the_input_layout():
 
 
 def test_hopper_table_picks_the_forward_tile_by_variant(monkeypatch):
-    """On sm_90 the D = 128 forward takes one warpgroup and two stages, except with dropout or a window,
-    which keep the two-warpgroup tile (measured); other GPUs read their own table. The choice is the
-    host's, so it is checked here with the capability and the interpreter switch stubbed."""
+    """On sm_90 the D = 128 forward takes one warpgroup and two stages, except with a window, which
+    keeps the two-warpgroup tile, and with dropout, which takes 64 x 64 tiles (both measured); other
+    GPUs read their own table. The choice is the host's, so it is checked here with the capability
+    and the interpreter switch stubbed."""
     from flashattn import _config
 
     monkeypatch.setattr(_config, "is_interpreter", lambda: False)
     cuda = torch.device("cuda", 0)
 
+    def get(kernel, d, causal=False, n=4096, **variants):
+        return _config.get_config(kernel, Problem(1, 8, 8, n, n, d, torch.float16, causal, d ** -0.5, **variants), cuda)
+
     def fwd(d, causal=False, n=4096, **variants):
-        return _config.get_config("fwd", Problem(1, 8, 8, n, n, d, torch.float16, causal, d ** -0.5, **variants), cuda)
+        return get("fwd", d, causal, n, **variants)
 
     monkeypatch.setattr(_config, "_capability", lambda index: (9, 0))
     one_warpgroup, two_warpgroups = _config.KernelConfig(128, 64, 4, 2), _config.KernelConfig(128, 128, 8, 3)
+    small = _config.KernelConfig(64, 64, 4, 2)
     assert fwd(128) == fwd(128, causal=True) == one_warpgroup
     assert fwd(128, softcap=30.0) == fwd(128, alibi=True) == one_warpgroup
-    assert fwd(128, dropout_p=0.1) == fwd(128, causal=True, dropout_p=0.1) == two_warpgroups
     assert fwd(128, window=(256, 256)) == two_warpgroups
+    assert fwd(128, dropout_p=0.1) == fwd(128, causal=True, dropout_p=0.1) == small
+    assert fwd(128, dropout_p=0.1, window=(256, 256)) == small  # dropout's tiles come first
     assert fwd(64) == fwd(64, causal=True, n=4096) == _config.KernelConfig(64, 128, 4, 2)
     assert fwd(64, causal=True, n=1024) == _config.KernelConfig(64, 64, 4, 3)
-    assert fwd(64, dropout_p=0.1) == fwd(64) and fwd(256, dropout_p=0.1) == fwd(256)  # only D = 128 differs
+    assert fwd(64, dropout_p=0.1) == fwd(32, dropout_p=0.1) == small
+    assert fwd(256, dropout_p=0.1) == fwd(256)  # D = 256 keeps its tile
+    assert get("bwd_dkdv", 128, dropout_p=0.1) == get("bwd_dkdv", 128, causal=True) == _config.KernelConfig(32, 128, 8, 3)
+    assert get("bwd_dkdv", 128) == _config.KernelConfig(64, 128, 8, 3)
+    assert get("bwd_dq", 128, dropout_p=0.1) == get("bwd_dq", 128)
     monkeypatch.setattr(_config, "_capability", lambda index: (8, 0))
     assert fwd(128) == fwd(128, dropout_p=0.1) == _config._DEFAULT[("fwd", 128)]
 
@@ -333,7 +343,7 @@ def test_every_table_entry_resolves_to_a_launchable_config():
     """Each GPU table entry gives one config per (causal, N); tiles are powers of two and fit the rules."""
     from flashattn import _config
 
-    for table in (_config._SM90, _config._SM90_DROPOUT_OR_WINDOW, _config._DEFAULT):
+    for table in (_config._SM90, _config._SM90_WINDOW, _config._SM90_DROPOUT, _config._DEFAULT):
         for (kernel, block_d), entry in table.items():
             for causal in (False, True):
                 for n in (1, 2048, 2049, 16384):

@@ -245,20 +245,28 @@ def test_kernel_keep_mask_matches_the_reference_at_large_counters():
     import triton.language as tl
 
     @triton.jit
-    def keep_tile(OUT, seed_lo, seed_hi, i_bh, row0, col0, threshold, BM: tl.constexpr, BN: tl.constexpr):
+    def keep_tile(OUT, seed_lo, seed_hi, i_bh, row0, col0, threshold, BM: tl.constexpr, BN: tl.constexpr,
+                  TRANSPOSED: tl.constexpr):
         rows = row0 + tl.arange(0, BM)
-        cols = col0 + tl.arange(0, BN)
-        keep = device_keep(seed_lo, seed_hi, i_bh, rows[:, None], cols[None, :], threshold)
-        tl.store(OUT + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :], keep.to(tl.int8))
+        keep = device_keep(seed_lo, seed_hi, i_bh, rows, col0, threshold, BN)
+        if TRANSPOSED:  # the dK/dV kernel's orientation: (key, query) tiles
+            tl.store(OUT + tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :], tl.trans(keep).to(tl.int8))
+        else:
+            tl.store(OUT + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :], keep.to(tl.int8))
 
     from flashattn.problem import dropout_threshold
 
     seed, p = 2**40 + 77, 0.37
     for i_bh, row0, col0 in ((0, 0, 0), (70_000, 1_000_000, 3_000_000), (2**31 - 1, 2**31 - 64, 2**31 - 32)):
-        out = torch.empty(16, 32, dtype=torch.int8)
-        keep_tile[(1,)](out, seed & (2**31 - 1), seed >> 31, i_bh, row0, col0, dropout_threshold(p), BM=16, BN=32)
         want = dropout_keep(seed, i_bh, torch.arange(row0, row0 + 16)[:, None], torch.arange(col0, col0 + 32)[None, :], p)
-        assert torch.equal(out.bool(), want)
+        for bn in (16, 32):  # one tile or two tiles of keys: the same bits
+            for transposed in (False, True):
+                out = torch.empty(32 // bn, bn, 16, dtype=torch.int8) if transposed else torch.empty(32 // bn, 16, bn, dtype=torch.int8)
+                for t in range(32 // bn):
+                    keep_tile[(1,)](out[t], seed & (2**31 - 1), seed >> 31, i_bh, row0, col0 + t * bn,
+                                    dropout_threshold(p), BM=16, BN=bn, TRANSPOSED=transposed)
+                got = torch.cat([o.T if transposed else o for o in out], dim=1)
+                assert torch.equal(got.bool(), want), (i_bh, bn, transposed)
 
 
 def test_keep_mask_statistics_and_independence():
@@ -276,6 +284,23 @@ def test_keep_mask_statistics_and_independence():
     assert abs(agree - (p * p + (1 - p) ** 2)) < 5 * math.sqrt(0.18 * 0.82 / count)
     # negative control: a counter scheme that ignored the head would repeat the mask across heads
     assert not torch.equal(mask[:, 0], mask[:, 1])
+    # eight keys share one draw: neighbours (the two halves of a word, and neighbouring words) are
+    # dropped together p^2 of the time, as independent entries are
+    for lag in (1, 2):
+        both = (~mask[..., :-lag] & ~mask[..., lag:]).float()
+        assert abs(both.mean().item() - p * p) < 5 * math.sqrt(p * p * (1 - p * p) / both.numel())
+
+
+def test_drop_probability_rounds_down_to_sixteen_bits():
+    """The drop probability is floor(p * 2^16) / 2^16: exact at multiples of 2^-16, 0 below 2^-16."""
+    from flashattn.problem import dropout_threshold
+
+    assert dropout_threshold(0.25) == 2**14 and dropout_threshold(0.1) == 6553
+    assert dropout_threshold(2.0**-17) == 0 and dropout_threshold(1 - 2.0**-16) == 2**16 - 1
+    # p = 1/4 exactly: over 2^16 entries of one row the count of drops is near 1/4 of them
+    keep = dropout_keep(7, 0, torch.zeros(1, 1, dtype=torch.int64), torch.arange(2**16)[None, :], 0.25)
+    assert abs((~keep).float().mean().item() - 0.25) < 5 * math.sqrt(0.25 * 0.75 / 2**16)
+    assert dropout_keep(7, 0, torch.zeros(1, 1, dtype=torch.int64), torch.arange(4096)[None, :], 2.0**-17).all()
 
 
 # ----------------------------------------------------------------------------------------------
