@@ -187,8 +187,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
             softmax (Gemma 2); 0 or None is off.
         alibi_slopes: float32 tensor (Hq,) or (B, Hq) on q's device: ``-slope * |i + M - N - j|`` is
             added to each (capped) score. The slopes get no gradient.
-        dropout_p: probability of zeroing each entry of the softmax P before ``P V``; kept entries
-            are scaled by ``1 / (1 - dropout_p)``, the LSE is that of the undropped scores. The mask is
+        dropout_p: probability of zeroing each entry of the softmax P before ``P V`` (the mask's
+            draw resolves it to a multiple of 2^-16, rounding down); kept entries are scaled by
+            ``1 / (1 - dropout_p)``, the LSE is that of the undropped scores. The mask is
             a pure function of the seed and (batch, head, i, j): the backward draws it again, and the
             same seed gives bitwise the same outputs and gradients. No train/eval switch: pass 0 to
             turn it off.

@@ -335,6 +335,7 @@ def test_hopper_table_picks_the_forward_tile_by_variant(monkeypatch):
     assert get("bwd_dkdv", 128, dropout_p=0.1) == get("bwd_dkdv", 128, causal=True) == _config.KernelConfig(32, 128, 8, 3)
     assert get("bwd_dkdv", 128) == _config.KernelConfig(64, 128, 8, 3)
     assert get("bwd_dq", 128, dropout_p=0.1) == get("bwd_dq", 128)
+    assert get("bwd_dq", 64, dropout_p=0.1) == _config.KernelConfig(64, 128, 4, 2) != get("bwd_dq", 64)
     monkeypatch.setattr(_config, "_capability", lambda index: (8, 0))
     assert fwd(128) == fwd(128, dropout_p=0.1) == _config._DEFAULT[("fwd", 128)]
 
