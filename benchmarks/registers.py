@@ -11,6 +11,7 @@ inputs are host tensor descriptors, as the launchers pass them.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -84,17 +85,22 @@ def jobs(extra=(), dropout: bool = False) -> list[tuple]:
     return out
 
 
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.registers", description=__doc__.splitlines()[0])
+    ap.add_argument("dtype", nargs="?", default="fp16", help="fp16 or bf16 (default %(default)s)")
+    ap.add_argument("configs", nargs="*", type=lambda a: tuple(map(int, a.split(","))),
+                    help="BM,BN,WARPS,STAGES configs to try at D = 128, causal")
+    ap.add_argument("--dropout", action="store_true", help="compile with dropout on, from the table's dropout tiles")
+    return ap.parse_intermixed_args(argv)
+
+
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    dropout = "--dropout" in argv  # the kernels as dropout compiles them (the table's dropout tiles)
-    argv = [a for a in argv if a != "--dropout"]
-    dtype = argv[0] if argv else "fp16"
-    extra = [tuple(map(int, a.split(","))) for a in argv[1:]]  # kernel configs to try at D=128
-    for kernel, fn, d, block_d, causal, cfg in jobs(extra, dropout):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    for kernel, fn, d, block_d, causal, cfg in jobs(args.configs, args.dropout):
         consts = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      HAS_WINDOW=False, SOFTCAP=False, ALIBI=False, DROPOUT=dropout, VARLEN=False)
+                      HAS_WINDOW=False, SOFTCAP=False, ALIBI=False, DROPOUT=args.dropout, VARLEN=False)
         try:
-            smem, regs, spill, wg = compile_one(fn, dtype, consts, cfg.num_warps, cfg.num_stages)
+            smem, regs, spill, wg = compile_one(fn, args.dtype, consts, cfg.num_warps, cfg.num_stages)
             print(f"{kernel:9s} D={d:3d} causal={causal!s:5s} {cfg}  smem {smem:6d}  regs {regs:3d}  stack {spill:5d}  wgmma {wg}")
         except Exception as exc:  # noqa: BLE001
             print(f"{kernel:9s} D={d:3d} causal={causal!s:5s} {cfg}  FAILED {type(exc).__name__}: {str(exc)[:300]}")

@@ -92,9 +92,10 @@ _SM90 = {
 # ALiBi (+1-4%); packed sequences read -3% to +1% and keep it too. Dropout draws its mask inside the
 # loop, which takes registers and, to spread each draw's eight lanes over the tile, shared memory:
 # measured at N = 8192, fp16, 64 x 64 forward tiles with one warpgroup are the fastest with it at
-# D = 64 and 128 (the table's own tiles are 1.03-1.9x slower); the causal dK/dV tile serves both
-# masks at D = 128 (5% over the non-causal one), and dQ at D <= 64 takes one warpgroup on 64 x 128
-# (4-6% over the table's; tuning log, "Eight keys per draw").
+# D = 64 and 128 (the table's own tiles are 1.03-1.9x slower; D = 16 and 32 follow D = 64, as in
+# the table above); the causal dK/dV tile serves both masks at D = 128 (5% over the non-causal one),
+# and dQ at D <= 64 takes one warpgroup on 64 x 128 (4-6% over the table's; tuning log, "Eight keys
+# per draw").
 _SM90_WINDOW = {
     ("fwd", 128): KernelConfig(128, 128, 8, 3),
 }
