@@ -7,6 +7,7 @@ Importing this module imports Triton, but touches no GPU and no driver.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 
@@ -193,6 +194,24 @@ def variant_args(problem, alibi_slopes, seed: int, dummy: torch.Tensor) -> tuple
             seed & (2**31 - 1), seed >> 31, p.dropout_threshold, inv_keep)
 
 
+_NO_SWITCH = contextlib.nullcontext()
+
+
+def on_device(x: torch.Tensor):
+    """A context that makes ``x``'s CUDA device the current one, where Triton launches: a device
+    switch only when another device is current (none for CPU tensors), since a short call feels
+    the few microseconds of switching there and back."""
+    if x.is_cuda and x.get_device() != _current_device():
+        return torch.cuda.device(x.device)
+    return _NO_SWITCH
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` on the host. (``triton.cdiv`` is a constexpr function in Triton 3.6, whose host
+    calls cost microseconds each, and a short call makes several.)"""
+    return -(-a // b)
+
+
 def interpreter_needs_float32(x: torch.Tensor) -> bool:
     # Triton's CPU interpreter (3.9) multiplies bfloat16 tiles in tl.dot as raw 16-bit integers, so on
     # the CPU a bfloat16 problem runs in float32 and its results are rounded back. GPUs never take this.
@@ -266,9 +285,12 @@ def tile_desc(x: torch.Tensor, rows: int, block_d: int, checked: bool | None = N
     shape, strides, block = list(x.shape), list(x.stride()), [1, 1, rows, block_d]
     defaults = _descriptor_defaults()
     if defaults is None or checked:
-        return TensorDescriptor(x, shape, strides, block)
-    desc = object.__new__(TensorDescriptor)
-    vars(desc).update(defaults, base=x, shape=shape, strides=strides, block_shape=block)
+        desc = TensorDescriptor(x, shape, strides, block)
+    else:
+        desc = object.__new__(TensorDescriptor)
+        vars(desc).update(defaults, base=x, shape=shape, strides=strides, block_shape=block)
+    if hasattr(desc, "__dict__"):  # the launch cache's key of this descriptor (_signature), made once
+        desc.flashattn_key = _descriptor_key(desc)
     return desc
 
 
@@ -307,9 +329,92 @@ class Descriptors:
         return desc
 
 
+class _DirectLaunch:
+    """The launch of one compiled kernel without Triton's per-call Python (Triton 3.6's CUDA launcher).
+
+    ``compiled[grid](*args)`` looks up the current device and stream, builds a closure, asks for
+    launch metadata, then expands each tensor descriptor into a TMA descriptor, its shape and its
+    strides in a Python loop before the generated C launcher runs: about 20 µs a launch on an H200
+    host. This does the same expansion with the work that does not change between launches done
+    once, and calls the generated C function itself. It is built only when the compiled kernel has
+    exactly the launcher layout it was written against (checked in :meth:`of`); anything else keeps
+    Triton's own path. Launch hooks, scratch memory and cooperative or PDL launches also keep it.
+    """
+
+    __slots__ = ("c_launch", "function", "metadata", "flags", "plan", "fill", "n_desc", "runtime")
+
+    @classmethod
+    def of(cls, compiled, n_args: int):
+        """The direct launch of ``compiled`` (whose kernel takes ``n_args`` arguments, constexprs
+        included), or None where its launcher is not the one this class knows."""
+        try:
+            from triton import knobs
+            from triton.backends.nvidia import driver as nv
+
+            run = getattr(compiled, "_run", None)
+            if type(run).__name__ != "CudaLauncher" or getattr(nv, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO":
+                return None
+            if run.global_scratch_size or run.profile_scratch_size:
+                return None  # scratch memory comes from Triton's allocator at each launch
+            inner = run.launch
+            if getattr(inner, "__closure__", None) is None:  # no descriptor argument: the generated function
+                c_launch, indices, metas = inner, set(), []
+            else:
+                cells = dict(zip(inner.__code__.co_freevars, (c.cell_contents for c in inner.__closure__)))
+                c_launch, indices, metas = cells["launcher"], cells["tensordesc_indices"], cells["tensordesc_meta"]
+            if type(c_launch).__name__ != "builtin_function_or_method" or len(metas) != len(indices):
+                return None
+            plan, fill = [], None
+            for position, meta in zip(sorted(indices), metas):
+                if meta is None or meta.get("fp4_padded"):
+                    return None  # a descriptor not lowered to TMA, or packed fp4: Triton's path
+                fill = triton.runtime.driver.active.utils.fill_tma_descriptor
+                plan.append((position, meta["swizzle"], meta["elem_size"],
+                             nv.TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], list(meta["block_size"])))
+            if any(position >= n_args for position, *_ in plan):
+                return None
+        except (ImportError, AttributeError, KeyError, TypeError):
+            return None
+        self = object.__new__(cls)
+        self.c_launch, self.function, self.metadata = c_launch, compiled.function, compiled.packed_metadata
+        self.flags = (bool(run.launch_cooperative_grid), bool(run.launch_pdl))
+        self.runtime = knobs.runtime
+        self.plan, self.fill, self.n_desc = tuple(plan), fill, len(plan)
+        return self
+
+    def __call__(self, grid: tuple, device: int, args: tuple) -> bool:
+        """Launch on ``grid`` on the current stream of ``device``; ``args`` are all of the kernel's,
+        constexprs included, in its parameter order. False, launching nothing, while a launch hook
+        is set (a profiler's): then Triton's own path must run, which calls it."""
+        if not (_no_hook(self.runtime.launch_enter_hook) and _no_hook(self.runtime.launch_exit_hook)):
+            return False
+        if self.n_desc:
+            flat, start = [], 0
+            for position, swizzle, elem_size, dtype, block in self.plan:
+                flat += args[start:position]
+                d = args[position]
+                shape, strides = d.shape, d.strides
+                flat.append(self.fill(d.base.data_ptr(), swizzle, elem_size, dtype, block, shape, strides,
+                                      1 if d.padding == "nan" else 0))
+                flat += shape
+                flat += strides
+                start = position + 1
+            flat += args[start:]
+            args = flat
+        self.c_launch(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), self.function,
+                      *self.flags, None, None, self.metadata, None, None, None, *args)
+        return True
+
+
+def _no_hook(hook) -> bool:
+    """Whether a launch hook of Triton's knobs is unset: None, or an empty ``HookChain``."""
+    return hook is None or getattr(hook, "calls", True) == []
+
+
 # --8<-- [start:launch]
 _COMPILED: dict = {}  # launch signature -> the kernel Triton compiled for it
 _FAST_LAUNCH = [True]  # cleared for good if this Triton cannot launch a compiled kernel directly
+_DIRECT = [True]  # cleared for good if a direct launch (_DirectLaunch) is refused by its launcher
 
 
 _UNSPECIALIZED: dict = {}  # id(kernel) -> positions of its unspecialized arguments
@@ -341,20 +446,31 @@ def _signature(kernel, args: tuple, constexprs: dict, options: dict) -> tuple:
     # id(kernel): the kernels live as long as the process (launch checks the entry's kernel is this
     # one), and hashing the jitted function itself goes through Triton's source-derived cache key
     key = [id(kernel), _current_device(), *constexprs.values(), *options.values()]
+    first = len(key)
     append = key.append
-    unspecialized = _unspecialized(kernel)
-    for index, a in enumerate(args):
+    for a in args:  # one pass with no per-argument lookups: this runs before every launch
         kind = type(a)
         if kind is int:
-            # only the width of an unspecialized integer reaches the compiled kernel
-            append(a if index not in unspecialized else -2**31 <= a < 2**31)
+            append(a)
+        elif kind is bool:
+            append((bool, a))  # not keyed like the int it equals: Triton types it apart
         elif kind is float:
             append(float)  # floats are never specialized on their value
-        elif isinstance(a, torch.Tensor):
-            append((a.dtype, a.data_ptr() % 16))
-        else:  # a tensor descriptor
-            append((a.base.dtype, tuple(a.shape), tuple(a.strides), tuple(a.block_shape)))
+        elif kind is torch.Tensor or isinstance(a, torch.Tensor):
+            append((a.dtype, a.data_ptr() & 15))
+        else:  # a tensor descriptor; tile_desc stores its key when it makes one
+            found = vars(a).get("flashattn_key")
+            append(found if found is not None else _descriptor_key(a))
+    for index in _unspecialized(kernel):
+        a = args[index]
+        if type(a) is int:  # only the width of an unspecialized integer reaches the compiled kernel
+            key[first + index] = ("width", -2**31 <= a < 2**31)
     return tuple(key)
+
+
+def _descriptor_key(desc) -> tuple:
+    """What a compiled kernel is specialized on in a tensor descriptor: dtype, shape, strides, block."""
+    return desc.base.dtype, tuple(desc.shape), tuple(desc.strides), tuple(desc.block_shape)
 
 
 def launch(kernel, grid, args: tuple, constexprs: dict, options: dict) -> None:
@@ -373,6 +489,13 @@ def launch(kernel, grid, args: tuple, constexprs: dict, options: dict) -> None:
     signature = _signature(kernel, args, constexprs, options)
     entry = _COMPILED.get(signature) if _FAST_LAUNCH[0] else None
     if entry is not None and entry[0] is kernel:  # the signature holds id(kernel): check it is this one
+        direct = entry[2] if _DIRECT[0] else None
+        if direct is not None:
+            try:
+                if direct(grid, signature[1], (*args, *constexprs.values())):
+                    return
+            except TypeError:  # the generated launcher parses its arguments otherwise: Triton's path from now on
+                _DIRECT[0] = False
         try:
             entry[1][grid](*args, *constexprs.values())
             return
@@ -382,5 +505,6 @@ def launch(kernel, grid, args: tuple, constexprs: dict, options: dict) -> None:
     if compiled is not None:
         if len(_COMPILED) > 4096:  # many distinct lengths: start over rather than grow without bound
             _COMPILED.clear()
-        _COMPILED[signature] = (kernel, compiled.result() if hasattr(compiled, "result") else compiled)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        _COMPILED[signature] = (kernel, compiled, _DirectLaunch.of(compiled, len(args) + len(constexprs)))
 # --8<-- [end:launch]

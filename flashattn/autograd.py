@@ -32,22 +32,20 @@ def _reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_
 
 def _kernel_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, packing=None):
     # Imported late: importing triton costs time, and a CPU-only user never needs it.
+    from flashattn._triton import on_device
     from flashattn.forward import attention_forward
 
-    if q.is_cuda:  # Triton launches on the current device: make it the inputs' device
-        with torch.cuda.device(q.device):
-            return attention_forward(q, k, v, problem, alibi_slopes, seed, packing)
-    return attention_forward(q, k, v, problem, alibi_slopes, seed, packing)
+    with on_device(q):  # Triton launches on the current device: make it the inputs' device
+        return attention_forward(q, k, v, problem, alibi_slopes, seed, packing)
 
 
 def _kernel_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
                      packing=None):
+    from flashattn._triton import on_device
     from flashattn.backward import attention_backward
 
-    if q.is_cuda:
-        with torch.cuda.device(q.device):
-            return attention_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed, packing)
-    return attention_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed, packing)
+    with on_device(q):
+        return attention_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed, packing)
 
 
 def _varlen_reference_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, packing=None):

@@ -28,6 +28,7 @@ from flashattn._triton import (
     Descriptors,
     addressable,
     backward_query_range,
+    ceil_div,
     dense_like,
     dq_key_range,
     heads_first,
@@ -449,7 +450,7 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
         cu_q = cu_k = delta  # never read: VARLEN is off
     has_dlse = dlse is not None
     block = 32 if _config.is_interpreter() else PREPROCESS_BLOCK
-    n_rows = triton.cdiv(n_q, block)
+    n_rows = ceil_div(n_q, block)
     launch(_bwd_preprocess_kernel, n_rows * batch * p.heads_q,
            (o, do, lse, dlse.contiguous() if has_dlse else lse, lse2, delta,
             o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),

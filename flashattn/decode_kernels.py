@@ -23,14 +23,13 @@ gathers each key row through the block table), so no layout needs a copy.
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import triton
 import triton.language as tl
 
 from flashattn import _config, reference
-from flashattn._triton import LN2, LOG2E, device_fn, launch
+from flashattn._triton import LN2, LOG2E, ceil_div, device_fn, launch, on_device
 from flashattn._triton import clamp as _clamp
 from flashattn._triton import fwd_end_visible_key as _fwd_end_visible_key
 from flashattn._triton import fwd_first_masked_key as _fwd_first_masked_key
@@ -269,7 +268,7 @@ def decode_config(rows: int, block_d: int, device: torch.device) -> _config.Kern
     """Tile of the split kernel for ``rows`` packed query rows per (sequence, K/V head)."""
     if _config.is_interpreter() or device.type != "cuda":
         return _config.KernelConfig(_INTERPRETER_BLOCK_M, _INTERPRETER_BLOCK_N, 4, 1)
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_m = min(64, max(16, 1 << (max(rows, 1) - 1).bit_length()))  # a power of two in [16, 64]
     if block_d <= 64:
         return _config.KernelConfig(block_m, 128, 4, 3)
     if block_d <= 128:
@@ -289,8 +288,8 @@ def choose_num_splits(programs: int, max_keys: int, block_n: int, device: torch.
     if _config.is_interpreter() or device.type != "cuda":
         return _INTERPRETER_SPLITS
     index = device.index if device.index is not None else torch.cuda.current_device()
-    wanted = triton.cdiv(PROGRAMS_PER_SM * _config._sm_count(index), programs)
-    longest = triton.cdiv(max_keys, block_n) // MIN_BLOCKS_PER_SPLIT
+    wanted = ceil_div(PROGRAMS_PER_SM * _config._sm_count(index), programs)
+    longest = ceil_div(max_keys, block_n) // MIN_BLOCKS_PER_SPLIT
     return max(1, min(wanted, longest, MAX_SPLITS))
 # --8<-- [end:decode-num-splits]
 
@@ -320,7 +319,7 @@ def decode_forward(q, k_cache, v_cache, seq_lens, n_new: int, block_table, causa
     rows = group * n_q
     block_d = _head_dim_block(d)
     cfg = decode_config(rows, block_d, q.device)
-    tiles = triton.cdiv(rows, cfg.block_m)
+    tiles = ceil_div(rows, cfg.block_m)
     if tiles > 65535:
         raise ValueError(f"q has too many queries for one call: Nq * Hq / Hkv = {rows} packed rows "
                          f"need {tiles} tiles of {cfg.block_m}, at most 65535")
@@ -336,7 +335,7 @@ def decode_forward(q, k_cache, v_cache, seq_lens, n_new: int, block_table, causa
         lse_part = _scratch((num_splits, batch * h_kv, rows), q.device)
     paged = block_table is not None
     table = block_table if paged else seq_lens  # any int32 pointer; never read without paging
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+    with on_device(q):
         # launch() goes straight to the compiled kernel after the first call: at short caches the
         # host work of Triton's own launch path is longer than the kernels
         launch(_decode_split_kernel, (batch * h_kv, num_splits, tiles),

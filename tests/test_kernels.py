@@ -235,8 +235,9 @@ def test_fast_descriptor_is_the_checked_one(monkeypatch):
         fast = _triton.tile_desc(x, 16, 64)
         checked = TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 16, 64])
         assert type(fast) is TensorDescriptor and fast.base is x
-        assert {k: v for k, v in vars(fast).items() if k != "base"} == {
+        assert {k: v for k, v in vars(fast).items() if k not in ("base", "flashattn_key")} == {
             k: v for k, v in vars(checked).items() if k != "base"}
+        assert fast.flashattn_key == _triton._descriptor_key(checked)  # the launch cache's key of it
     desc = _triton.Descriptors(64)
     q = views[0]
     assert desc(q, 16) is desc(q, 16) and desc(q, 32) is not desc(q, 16)
@@ -276,6 +277,10 @@ def test_launch_signature_separates_what_triton_specializes_on(monkeypatch):
     z = torch.zeros(2, 8, 3, 16, dtype=torch.float16).transpose(1, 2)
     assert key((_triton.tile_desc(z, 8, 16, checked=True), buf, 7, 5, 0.5)) != base  # other strides
     assert key(constexprs={"C": False}) != base and key(options={"num_warps": 8}) != base
+    assert key((desc, buf, True, 5, 0.5)) != key((desc, buf, 1, 5, 0.5))  # a bool is not the int it equals
+    # a descriptor made elsewhere (no key stored by tile_desc) is keyed the same
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    assert key((TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 8, 16]), buf, 7, 5, 0.5)) == base
     monkeypatch.setattr(_triton, "_current_device", lambda: 1)
     assert key() != base
 
@@ -487,6 +492,65 @@ def test_gpu_cuda_graph_replay_matches_eager(causal):
     for got, want in zip(captured, eager):
         assert torch.isfinite(got).all()
         assert torch.equal(got, want)
+
+
+def test_direct_launch_only_for_the_launcher_it_knows():
+    """The direct launch (flashattn._triton._DirectLaunch) is built only from a compiled kernel whose
+    launcher has the layout it was written for; anything else keeps Triton's own launch path. A launch
+    hook counts as set unless it is None or an empty hook chain."""
+    from types import SimpleNamespace
+
+    from flashattn import _triton
+
+    assert _triton._DirectLaunch.of(SimpleNamespace(), 3) is None  # no launcher at all
+    fake_run = type("CudaLauncher", (), {"global_scratch_size": 0, "profile_scratch_size": 0})()
+    assert _triton._DirectLaunch.of(SimpleNamespace(_run=fake_run), 3) is None  # no generated launch function
+    assert _triton._no_hook(None) and _triton._no_hook(SimpleNamespace(calls=[]))
+    assert not _triton._no_hook(SimpleNamespace(calls=[print])) and not _triton._no_hook(print)
+
+
+@gpu
+@needs_cuda
+def test_gpu_direct_launch_matches_tritons_launch(monkeypatch):
+    """Launching a compiled kernel directly gives bitwise what Triton's launch path gives (forward,
+    the backward's three kernels, descriptors of every tile shape, a transposed layout, padded D,
+    GQA, a window, softcap and dropout), and steps aside while a launch hook is set, so the hook
+    still sees every launch."""
+    from triton import knobs
+
+    from flashattn import _triton
+
+    cases = [((2, 4, 4, 300, 300, 64), dict(causal=True), "bhnd"),
+             ((1, 8, 2, 128, 513, 40), dict(causal=True), "bhnd"),
+             ((2, 4, 4, 257, 100, 128), dict(window=(32, 8)), "bnhd"),
+             ((1, 4, 4, 200, 200, 96), dict(causal=True, dropout_p=0.2, seed=7, softcap=20.0), "bhnd"),
+             ((1, 4, 4, 256, 256, 256), dict(causal=True), "bnhd")]
+    for shape, kw, layout in cases:
+        q, k, v, do = _inputs(*shape, torch.bfloat16, layout=layout, seed=31)
+        runs = []
+        for direct in (False, True):
+            monkeypatch.setattr(_triton, "_DIRECT", [direct])
+            qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+            o, lse = flashattn.attention(qq, kk, vv, return_lse=True, **kw)
+            runs.append((o, lse, *torch.autograd.grad(o, (qq, kk, vv), do)))
+        for a, b in zip(*runs):
+            assert torch.isfinite(a).all() or a.dtype == torch.float32
+            assert torch.equal(a, b)
+    if not any(entry[2] is not None for entry in _triton._COMPILED.values()):
+        pytest.skip("this Triton's launcher is not the one _DirectLaunch was written for: nothing launched directly")
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata)
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        q, k, v, _ = _inputs(1, 4, 4, 128, 128, 64, torch.float16, seed=3)
+        flashattn.attention(q, k, v, causal=True)
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 1
 
 
 @gpu
