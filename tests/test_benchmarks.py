@@ -734,6 +734,20 @@ def test_ab_against_head_on_cpu(monkeypatch, tmp_path):
     assert "outputs bitwise equal" in lines[-1] or not out["same_sources"]
 
 
+def test_ab_latency_passes_are_wall_clock_per_call(monkeypatch, tmp_path):
+    # --latency times the forward with the latency section's wall clock too, never with do_bench.
+    monkeypatch.setattr(ab.tempfile, "tempdir", str(tmp_path))
+    s = grid.make_setting("float32", 16, True, 16, tokens=16, hidden=32)
+    out = ab.run_ab("HEAD", [s], device="cpu", timer="wall", repeats=1, passes=ab.LATENCY_PASSES,
+                    latency_target_ms=1.0, log=lambda x: None)
+    (row,) = out["rows"]
+    for side in ("new", "base"):
+        for p in ab.LATENCY_PASSES:
+            t = row["timings"][side][p]
+            assert t["us_per_call"] > 0 and "ms" not in t and "tflops" not in t
+    assert "fwd_call new" in ab.format_row(row) and "µs" in ab.format_row(row)
+
+
 # -- tuning sweeps ----------------------------------------------------------------------------------------
 
 def pins_timer(seen):
