@@ -225,11 +225,16 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
             alibi_slopes, dropout_p, int(seed) if dropout_p > 0 else 0)
     else:
         # Eager calls skip the operator dispatcher (tens of microseconds of a short call) and run the
-        # same backends through an autograd.Function.
+        # same backends through an autograd.Function, or, when no gradient can flow (inference,
+        # torch.no_grad), call the forward backend itself: autograd.Function.apply costs a short
+        # call microseconds even when it records nothing.
         problem = Problem.of(q, k, causal, scale, window=window, softcap=softcap, alibi=alibi_slopes is not None,
                              dropout_p=dropout_p)
-        o, lse = AttentionFunction.apply(q, k, v, problem, ops.use_kernels(q), alibi_slopes,
-                                         _dropout_seed(dropout_p, generator, seed))
+        args = (q, k, v, problem, ops.use_kernels(q), alibi_slopes, _dropout_seed(dropout_p, generator, seed))
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            o, lse = AttentionFunction.apply(*args)
+        else:
+            o, lse = AttentionFunction.run_forward(*args)
     return (o, lse) if return_lse else o
 
 

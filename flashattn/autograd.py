@@ -100,9 +100,15 @@ class AttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=None, seed: int = 0):
+    def run_forward(q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=None, seed: int = 0):
+        """The forward pass alone, ``(o, lse)``, for calls that need no gradient: the same backend
+        :meth:`forward` runs, without the autograd bookkeeping."""
         forward, _ = backend(use_kernels)
-        o, lse = forward(q, k, v, problem, alibi_slopes, seed)
+        return forward(q, k, v, problem, alibi_slopes, seed)
+
+    @staticmethod
+    def forward(ctx, q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=None, seed: int = 0):
+        o, lse = AttentionFunction.run_forward(q, k, v, problem, use_kernels, alibi_slopes, seed)
         ctx.save_for_backward(q, k, v, o, lse, alibi_slopes)
         ctx.problem, ctx.use_kernels, ctx.seed = problem, use_kernels, seed
         ctx.tuning = _config.current_tuning()  # the backward may run on another thread

@@ -121,3 +121,30 @@ def test_low_precision_cpu_path_keeps_dtype(dtype, monkeypatch):
     assert o.dtype == dtype and lse.dtype == torch.float32
     o_ref = naive_attention(q.double(), k.double(), v.double(), True)[0]
     assert (o.double() - o_ref).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["reference", "fp16"])
+def test_calls_without_gradient_skip_autograd_and_match(dtype, monkeypatch):
+    """A call no gradient can flow through (torch.no_grad, inference_mode, inputs that do not require
+    grad) runs the forward without autograd.Function and gives bitwise what a training call gives;
+    a training call still records the backward. float16 on the CPU is the kernels' path under
+    TRITON_INTERPRET=1 and the reference's otherwise."""
+    q, k, v = (x.to(dtype) for x in qkv(n=24, m=40, d=16))
+    kw = dict(causal=True, return_lse=True, window=(16, None), softcap=5.0, dropout_p=0.25, seed=11)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    o_train, lse_train = flashattn.attention(qg, kg, vg, **kw)
+    assert o_train.grad_fn is not None and "AttentionFunction" in type(o_train.grad_fn).__name__
+
+    def no_apply(*args):
+        raise AssertionError("a call without gradient went through autograd.Function.apply")
+
+    from flashattn.autograd import AttentionFunction
+    monkeypatch.setattr(AttentionFunction, "apply", no_apply)
+    with torch.no_grad():
+        o_ng, lse_ng = flashattn.attention(qg, kg, vg, **kw)
+    with torch.inference_mode():
+        o_inf, lse_inf = flashattn.attention(q, k, v, **kw)
+    o_plain, lse_plain = flashattn.attention(q, k, v, **kw)
+    for o, lse in ((o_ng, lse_ng), (o_inf, lse_inf), (o_plain, lse_plain)):
+        assert o.grad_fn is None and not o.requires_grad
+        assert torch.equal(o, o_train.detach()) and torch.equal(lse, lse_train.detach())
