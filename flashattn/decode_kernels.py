@@ -23,7 +23,6 @@ gathers each key row through the block table), so no layout needs a copy.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -268,7 +267,7 @@ def decode_config(rows: int, block_d: int, device: torch.device) -> _config.Kern
     """Tile of the split kernel for ``rows`` packed query rows per (sequence, K/V head)."""
     if _config.is_interpreter() or device.type != "cuda":
         return _config.KernelConfig(_INTERPRETER_BLOCK_M, _INTERPRETER_BLOCK_N, 4, 1)
-    block_m = min(64, max(16, 1 << (max(rows, 1) - 1).bit_length()))  # a power of two in [16, 64]
+    block_m = min(64, _head_dim_block(rows))  # rows padded as a head dim is: a power of two, at least 16
     if block_d <= 64:
         return _config.KernelConfig(block_m, 128, 4, 3)
     if block_d <= 128:
