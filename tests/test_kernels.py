@@ -337,8 +337,12 @@ def test_hopper_table_picks_the_forward_tile_by_variant(monkeypatch):
     assert fwd(64, causal=True, n=1024) == _config.KernelConfig(64, 64, 4, 3)
     assert fwd(64, dropout_p=0.1) == fwd(32, dropout_p=0.1) == small
     assert fwd(256, dropout_p=0.1) == fwd(256)  # D = 256 keeps its tile
-    assert get("bwd_dkdv", 128, dropout_p=0.1) == get("bwd_dkdv", 128, causal=True) == _config.KernelConfig(32, 128, 8, 3)
-    assert get("bwd_dkdv", 128) == _config.KernelConfig(64, 128, 8, 3)
+    assert get("bwd_dkdv", 128, dropout_p=0.1) == get("bwd_dkdv", 128, causal=True, dropout_p=0.1) \
+        == _config.KernelConfig(32, 128, 8, 3)
+    # the causal dK/dV kernel's single loop takes the non-causal tiles from D = 128 up
+    assert get("bwd_dkdv", 128) == get("bwd_dkdv", 128, causal=True) == _config.KernelConfig(64, 128, 8, 3)
+    assert get("bwd_dkdv", 256) == get("bwd_dkdv", 256, causal=True) == _config.KernelConfig(64, 64, 8, 2)
+    assert get("bwd_dkdv", 64, causal=True) == _config.KernelConfig(32, 64, 4, 3)
     assert get("bwd_dq", 128, dropout_p=0.1) == get("bwd_dq", 128)
     assert get("bwd_dq", 64, dropout_p=0.1) == _config.KernelConfig(64, 128, 4, 2) != get("bwd_dq", 64)
     monkeypatch.setattr(_config, "_capability", lambda index: (8, 0))
