@@ -95,7 +95,7 @@ _SM90 = {
 # loop, which takes registers and, to spread each draw's eight lanes over the tile, shared memory:
 # measured at N = 8192, fp16, 64 x 64 forward tiles with one warpgroup are the fastest with it at
 # D = 64 and 128 (the table's own tiles are 1.03-1.9x slower; D = 16 and 32 follow D = 64, as in
-# the table above); the causal dK/dV tile serves both masks at D = 128 (5% over the non-causal one),
+# the table above); a 32-row dK/dV tile serves both masks at D = 128 (5% over the 64-row one),
 # and dQ at D <= 64 takes one warpgroup on 64 x 128 (4-6% over the table's; tuning log, "Eight keys
 # per draw").
 _SM90_WINDOW = {
@@ -105,6 +105,12 @@ _SM90_DROPOUT = {
     **{("fwd", block_d): KernelConfig(64, 64, 4, 2) for block_d in (16, 32, 64, 128)},
     **{("bwd_dq", block_d): KernelConfig(64, 128, 4, 2) for block_d in (16, 32, 64)},
     ("bwd_dkdv", 128): KernelConfig(32, 128, 8, 3),
+    # Dropout keeps the causal dK/dV kernel's three loops (one loop took 1.18x as long at D = 128),
+    # and at D = 256 the tiles that went with them: the 32-row causal dK/dV tile ("D = 256 causal
+    # backward") and the two-warpgroup dQ tile; the plain kernels' newer D = 256 tiles were not
+    # measured with dropout (tuning log, "One causal loop in dK/dV").
+    ("bwd_dkdv", 256): (KernelConfig(64, 64, 8, 2), KernelConfig(32, 64, 8, 3)),
+    ("bwd_dq", 256): KernelConfig(128, 64, 8, 1),
 }
 
 

@@ -220,7 +220,7 @@ def _bwd_dkdv_kernel(
     # [full_start, full_end) see the whole key block, [full_end, hi) is the ragged last query block
     # (hi = N) or, under a window, the blocks that cross its left edge; a ragged key block masks
     # every tile (its padded keys must stay out of dS). Rows below lo see none of the block. From
-    # D = 128 up, a causal mask without a window walks [lo, hi) in one masked loop instead (below).
+    # D = 128 up, a causal mask without a window or dropout walks [lo, hi) in one masked loop instead.
     if HAS_WINDOW:
         lo, full_start, full_end, hi = window_query_range(start_n, BLOCK_M, BLOCK_N, N_CTX_Q, N_CTX_K,
                                                           win_left, win_right)
@@ -245,12 +245,13 @@ def _bwd_dkdv_kernel(
         slope2 = 0.0
         if ALIBI:
             slope2 = tl.load(SLOPES + i_b * stride_slope_b + i_hq) * LOG2E
-        if CAUSAL and not HAS_WINDOW and BLOCK_D >= 128:
+        if CAUSAL and not HAS_WINDOW and not DROPOUT and BLOCK_D >= 128:
             # One masked loop over every query block that sees the key block. The mask costs a few
             # compares per score, while three loops (diagonal, full, ragged tail) keep more values
             # live, spill more and refill the pipeline between them. Measured on the H200, the three
-            # loops took 1.4x as long at D = 256 and 1.03-1.09x at D = 128, but 0.92x at D = 64,
-            # which keeps them (docs/kernels/tuning-log.md, "One causal loop in dK/dV").
+            # loops took 1.4x as long at D = 256 and 1.03-1.09x at D = 128, but 0.92x at D = 64, and
+            # 0.85x with dropout at D = 128: those keep them (docs/kernels/tuning-log.md, "One causal
+            # loop in dK/dV").
             b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
                                          offs_m, offs_n, start_n, lo, hi, N_CTX_Q, N_CTX_K, qk_scale,
                                          win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bhq,

@@ -343,6 +343,11 @@ def test_hopper_table_picks_the_forward_tile_by_variant(monkeypatch):
     assert get("bwd_dkdv", 128) == get("bwd_dkdv", 128, causal=True) == _config.KernelConfig(64, 128, 8, 3)
     assert get("bwd_dkdv", 256) == get("bwd_dkdv", 256, causal=True) == _config.KernelConfig(64, 64, 8, 2)
     assert get("bwd_dkdv", 64, causal=True) == _config.KernelConfig(32, 64, 4, 3)
+    assert get("bwd_dq", 256) == get("bwd_dq", 256, causal=True) == _config.KernelConfig(64, 32, 4, 3)
+    # dropout keeps the three-loop causal dK/dV kernel and the D = 256 tiles that went with it
+    assert get("bwd_dkdv", 256, causal=True, dropout_p=0.1) == _config.KernelConfig(32, 64, 8, 3)
+    assert get("bwd_dkdv", 256, dropout_p=0.1) == _config.KernelConfig(64, 64, 8, 2)
+    assert get("bwd_dq", 256, dropout_p=0.1) == _config.KernelConfig(128, 64, 8, 1)
     assert get("bwd_dq", 128, dropout_p=0.1) == get("bwd_dq", 128)
     assert get("bwd_dq", 64, dropout_p=0.1) == _config.KernelConfig(64, 128, 4, 2) != get("bwd_dq", 64)
     monkeypatch.setattr(_config, "_capability", lambda index: (8, 0))
