@@ -41,7 +41,6 @@ from flashattn._triton import (
     tile_mask,
     tile_offsets,
     variant_args,
-    visible,
     window_dq_key_range,
     window_query_range,
 )
@@ -219,8 +218,13 @@ def _bwd_dkdv_kernel(
     # The mirror of the forward schedule: query blocks in [lo, full_start) straddle the diagonal,
     # [full_start, full_end) see the whole key block, [full_end, hi) is the ragged last query block
     # (hi = N) or, under a window, the blocks that cross its left edge; a ragged key block masks
-    # every tile (its padded keys must stay out of dS). Rows below lo see none of the block. From
-    # D = 128 up, a causal mask without a window or dropout walks [lo, hi) in one masked loop instead.
+    # every tile (its padded keys must stay out of dS). Rows below lo see none of the block.
+    # ONE_LOOP: from D = 128 up, a causal mask without a window or dropout walks [lo, hi) in one masked
+    # loop instead. The mask costs a few compares per score, while three loops keep more values live,
+    # spill more and refill the pipeline between them: measured on the H200, the three loops took
+    # 1.4x as long at D = 256 and 1.03-1.09x at D = 128, but 0.92x at D = 64, and 0.85x with dropout
+    # at D = 128, which keep them (docs/kernels/tuning-log.md, "One causal loop in dK/dV").
+    ONE_LOOP: tl.constexpr = CAUSAL and not HAS_WINDOW and not DROPOUT and BLOCK_D >= 128
     if HAS_WINDOW:
         lo, full_start, full_end, hi = window_query_range(start_n, BLOCK_M, BLOCK_N, N_CTX_Q, N_CTX_K,
                                                           win_left, win_right)
@@ -245,25 +249,12 @@ def _bwd_dkdv_kernel(
         slope2 = 0.0
         if ALIBI:
             slope2 = tl.load(SLOPES + i_b * stride_slope_b + i_hq) * LOG2E
-        if CAUSAL and not HAS_WINDOW and not DROPOUT and BLOCK_D >= 128:
-            # One masked loop over every query block that sees the key block. The mask costs a few
-            # compares per score, while three loops (diagonal, full, ragged tail) keep more values
-            # live, spill more and refill the pipeline between them. Measured on the H200, the three
-            # loops took 1.4x as long at D = 256 and 1.03-1.09x at D = 128, but 0.92x at D = 64, and
-            # 0.85x with dropout at D = 128: those keep them (docs/kernels/tuning-log.md, "One causal
-            # loop in dK/dV").
-            b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
-                                         offs_m, offs_n, start_n, lo, hi, N_CTX_Q, N_CTX_K, qk_scale,
-                                         win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bhq,
-                                         drop_threshold, inv_keep,
-                                         True, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI,
-                                         DROPOUT)
-        else:
-            b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
-                                         offs_m, offs_n, start_n, lo, full_start, N_CTX_Q, N_CTX_K, qk_scale,
-                                         win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bhq,
-                                         drop_threshold, inv_keep,
-                                         True, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
+        b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
+                                     offs_m, offs_n, start_n, lo, hi if ONE_LOOP else full_start, N_CTX_Q, N_CTX_K,
+                                     qk_scale, win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bhq,
+                                     drop_threshold, inv_keep,
+                                     True, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
+        if not ONE_LOOP:
             b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
                                          offs_m, offs_n, start_n, full_start, full_end, N_CTX_Q, N_CTX_K, qk_scale,
                                          win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bhq,
