@@ -33,44 +33,73 @@ import torch
 
 
 class _NoLaunch:
-    """Stands in for a compiled kernel: ``[grid](*args)`` does nothing and counts the call."""
+    """Stands in for the C launcher Triton generates for a compiled kernel: a call does nothing but
+    count (and, with ``capture``, keep its arguments); so does a TMA descriptor fill, which returns its
+    own arguments."""
 
-    def __init__(self):
-        self.calls = 0
+    def __init__(self, capture: bool = False):
+        self.calls, self.captured = 0, [] if capture else None
 
-    def __getitem__(self, grid):
-        def run(*args):
-            self.calls += 1
-        return run
+    def __call__(self, *args):  # the generated launcher's signature: grid, stream, function, ..., the arguments
+        self.calls += 1
+        if self.captured is not None:
+            self.captured.append(args)
+
+    @staticmethod
+    def fill(*args):
+        return ("tma", *args)
+
+    def direct(self, kernel):
+        """A direct launch of ``kernel`` (flashattn._triton._DirectLaunch) whose C calls are this
+        stand-in's: descriptors at the kernel's ``*_desc`` parameters, each filled by :meth:`fill`."""
+        import triton
+
+        from flashattn import _triton
+
+        d = object.__new__(_triton._DirectLaunch)
+        d.c_launch, d.fill, d.function, d.metadata, d.flags = self, self.fill, None, None, (False, False)
+        d.plan = tuple((i, 0, 2, 0, [1]) for i, name in enumerate(kernel.arg_names) if name.endswith("_desc"))
+        d.hooks = triton.knobs.runtime
+        return d
 
 
 @contextlib.contextmanager
-def launches_disabled():
+def launches_disabled(capture: bool = False, replay: bool = True):
     """Route float16/bfloat16 CPU tensors to the Triton launchers and make every launch a no-op,
-    restoring the package afterwards. Refuses to run under TRITON_INTERPRET (the interpreter never
-    takes the compiled-kernel path this replaces)."""
+    restoring the package afterwards: each kernel counts as compiled and launches through the
+    package's direct launch, whose C calls do nothing (:class:`_NoLaunch`). ``replay`` off
+    forgets every recipe before each launcher call, so each one takes the full path. Refuses to
+    run under TRITON_INTERPRET (the interpreter never takes the compiled-kernel path this replaces)."""
     from flashattn import _config, _triton, ops
     from flashattn import backward as bwd_mod, forward as fwd_mod
 
     if _config.is_interpreter():
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter does not use the compiled-kernel path")
-    fake = _NoLaunch()
-    kernels = {id(k): k for k in (fwd_mod._attn_fwd_kernel, bwd_mod._bwd_preprocess_kernel,
-                                  bwd_mod._bwd_dkdv_kernel, bwd_mod._bwd_dq_kernel)}
+    fake = _NoLaunch(capture)
+    kernels = {id(k): (k, fake, fake.direct(k)) for k in (fwd_mod._attn_fwd_kernel, bwd_mod._bwd_preprocess_kernel,
+                                                         bwd_mod._bwd_dkdv_kernel, bwd_mod._bwd_dq_kernel)}
 
     class Compiled(dict):
         def get(self, key, default=None):  # every signature is "already compiled"
-            return (kernels[key[0]], fake, None)  # no direct launch: the fake counts calls
+            return kernels[key[0]]
 
-    saved = dict(compiled=_triton._COMPILED, device=_triton._current_device, use=ops.use_kernels)
-    _triton._COMPILED = Compiled()
+    class Forgetful(dict):
+        def get(self, key, default=None):
+            return default
+
+    saved = dict(compiled=_triton._COMPILED, device=_triton._current_device, use=ops.use_kernels,
+                 stream=_triton._stream, recipes=_triton._RECIPES, interpreted=_triton._interpreted)
+    _triton._COMPILED, _triton._RECIPES = Compiled(), ({} if replay else Forgetful())
+    _triton._interpreted = lambda kernel: False  # kernels jitted under the interpreter (the tests') count as compiled
     _triton._current_device = lambda: 0
+    _triton._stream = lambda device: 0
     ops.use_kernels = lambda q: q.dtype in ops.KERNEL_DTYPES
     try:
         yield fake
     finally:
-        _triton._COMPILED = saved["compiled"]
-        _triton._current_device = saved["device"]
+        _triton._COMPILED, _triton._RECIPES = saved["compiled"], saved["recipes"]
+        _triton._current_device, _triton._stream = saved["device"], saved["stream"]
+        _triton._interpreted = saved["interpreted"]
         ops.use_kernels = saved["use"]
 
 
@@ -86,8 +115,9 @@ def _median_us(fn, calls: int, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def measure(b=1, h=16, n=512, d=64, causal=True, calls=2000) -> dict:
-    """µs per call of the four paths in the module doc, and the no-op launches each made."""
+def measure(b=1, h=16, n=512, d=64, causal=True, calls=2000, replay=True) -> dict:
+    """µs per call of the four paths in the module doc, and the no-op launches each made; with
+    ``replay`` off every launcher call takes the full path (no recipe is kept)."""
     import flashattn
     from flashattn.backward import attention_backward
     from flashattn.forward import attention_forward
@@ -97,7 +127,7 @@ def measure(b=1, h=16, n=512, d=64, causal=True, calls=2000) -> dict:
     do = torch.randn_like(q)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     out = {}
-    with launches_disabled() as fake, torch.autograd.set_multithreading_enabled(False):
+    with launches_disabled(replay=replay) as fake, torch.autograd.set_multithreading_enabled(False):
         problem = Problem.of(q, k, causal, None)
         o, lse = attention_forward(qd, kd, vd, problem)
         paths = {
@@ -124,10 +154,13 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--profile", action="store_true", help="also print cProfile's top functions of fwd+bwd")
     args = ap.parse_args(argv)
-    res = measure(args.b, args.h, args.n, args.d, args.causal, args.calls)
     print(f"B={args.b} H={args.h} N={args.n} D={args.d} causal={args.causal}, float16, launches made no-ops:")
-    for name, r in res.items():
-        print(f"  {name:13s} {r['us']:7.1f} µs   ({r['launches']} launches)")
+    runs = {replay: measure(args.b, args.h, args.n, args.d, args.causal, args.calls, replay)
+            for replay in (False, True)}
+    print(f"  {'':13s} {'full path':>10s} {'replayed':>10s}")
+    for name in runs[True]:
+        print(f"  {name:13s} {runs[False][name]['us']:7.1f} µs {runs[True][name]['us']:7.1f} µs"
+              f"   ({runs[True][name]['launches']} launches)")
     if args.profile:
         import cProfile
         import pstats

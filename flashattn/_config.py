@@ -173,6 +173,11 @@ def current_tuning() -> Tuning:
     return _TUNING.get()
 
 
+def tuning_is_default() -> bool:
+    """Whether no :func:`tuning` is in force: the table's choices, cached per problem, apply."""
+    return _TUNING.get() is _DEFAULT_TUNING
+
+
 class tuning_of:
     """Run the ``with`` block under a :class:`Tuning` captured earlier. The autograd engine runs a
     CUDA backward on its own thread, where :func:`tuning` of the caller is not set, so the forward

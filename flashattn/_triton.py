@@ -188,10 +188,16 @@ def variant_args(problem, alibi_slopes, seed: int, dummy: torch.Tensor) -> tuple
         slopes, stride_b = alibi_slopes, (alibi_slopes.shape[-1] if alibi_slopes.dim() == 2 else 0)
     else:
         slopes, stride_b = dummy, 0
-    seed = int(seed) if p.dropout_p > 0 else 0
     inv_keep = 1.0 / (1.0 - p.dropout_p)
     return (left, right, p.softcap_in, p.softcap_out, slopes, stride_b,
-            seed & (2**31 - 1), seed >> 31, p.dropout_threshold, inv_keep)
+            *seed_halves(p, seed), p.dropout_threshold, inv_keep)
+
+
+def seed_halves(problem, seed: int) -> tuple[int, int]:
+    """The dropout seed as the kernels take it, two 31-bit halves (low, high); (0, 0) without dropout.
+    They are the kernels' only per-call integers (:func:`replay` passes them to a recipe)."""
+    seed = int(seed) if problem.dropout_p > 0 else 0
+    return seed & (2**31 - 1), seed >> 31
 
 
 _NO_SWITCH = contextlib.nullcontext()
@@ -384,24 +390,192 @@ class _DirectLaunch:
         """Launch on ``grid`` on the current stream of ``device``; ``args`` are all of the kernel's,
         constexprs included, in its parameter order. False, launching nothing, while a launch hook
         is set (a profiler's): then Triton's own path must run, which calls it."""
-        if not (_no_hook(self.hooks.launch_enter_hook) and _no_hook(self.hooks.launch_exit_hook)):
+        if not self.unhooked():
             return False
-        if self.plan:
-            flat, start = [], 0
-            for position, swizzle, elem_size, dtype, block in self.plan:
-                flat += args[start:position]
-                d = args[position]
-                shape, strides = d.shape, d.strides
-                flat.append(self.fill(d.base.data_ptr(), swizzle, elem_size, dtype, block, shape, strides,
-                                      1 if d.padding == "nan" else 0))
-                flat += shape
-                flat += strides
-                start = position + 1
-            flat += args[start:]
-            args = flat
-        self.c_launch(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), self.function,
-                      *self.flags, None, None, self.metadata, None, None, None, *args)
+        self.launch_flat(grid, _stream(device), self.expand(args))
         return True
+
+    def unhooked(self) -> bool:
+        """Whether no launch hook is set, so a launch may skip Triton's path."""
+        return _no_hook(self.hooks.launch_enter_hook) and _no_hook(self.hooks.launch_exit_hook)
+
+    def expand(self, args: tuple) -> list:
+        """The generated launcher's arguments for the kernel's ``args``: each tensor descriptor becomes
+        its TMA descriptor (filled here), then its shape and its strides."""
+        flat, start = [], 0
+        for position, swizzle, elem_size, dtype, block in self.plan:
+            flat += args[start:position]
+            d = args[position]
+            shape, strides = d.shape, d.strides
+            flat.append(self.fill(d.base.data_ptr(), swizzle, elem_size, dtype, block, shape, strides,
+                                  1 if d.padding == "nan" else 0))
+            flat += shape
+            flat += strides
+            start = position + 1
+        flat += args[start:]
+        return flat
+
+    def launch_flat(self, grid: tuple, stream: int, flat) -> None:
+        """Call the generated C launcher with arguments :meth:`expand` made."""
+        self.c_launch(grid[0], grid[1], grid[2], stream, self.function, *self.flags, None, None, self.metadata,
+                      None, None, None, *flat)
+
+
+class _Step:
+    """One launch of a :class:`Recipe`: the expanded arguments of a recorded launch, with the places
+    that change from call to call (a tensor's pointer, a TMA descriptor of a tensor, a seed) marked."""
+
+    __slots__ = ("direct", "grid", "template", "slots")
+
+    @classmethod
+    def bind(cls, direct: "_DirectLaunch", grid: tuple, args: tuple, roles: tuple, free: frozenset):
+        """The step that repeats ``direct``'s launch of ``args`` with other tensors in the same
+        ``roles``, or None when an argument tensor (or a descriptor's) is not one of them. ``free``
+        holds the positions of the per-call integers (the kernel's unspecialized arguments)."""
+        def role(x):
+            for i, r in enumerate(roles):
+                if r is x:
+                    return i
+            return None
+
+        described = {position: rest for position, *rest in direct.plan}
+        template, slots, n_free = [], [], 0
+        for position, a in enumerate(args):
+            if position in described:
+                i = role(a.base)
+                if i is None:
+                    return None
+                swizzle, elem_size, dtype, block = described[position]
+                fill = (swizzle, elem_size, dtype, block, a.shape, a.strides, 1 if a.padding == "nan" else 0)
+                slots.append((len(template), i, fill))
+                template.append(None)
+                template += a.shape
+                template += a.strides
+            elif isinstance(a, torch.Tensor):
+                i = role(a)
+                if i is None:
+                    return None
+                slots.append((len(template), i, None))
+                template.append(None)
+            elif position in free:  # the n-th free integer of this call, counted from -1 down
+                n_free += 1
+                slots.append((len(template), -n_free, None))
+                template.append(None)
+            else:
+                template.append(a)
+        self = object.__new__(cls)
+        self.direct, self.grid, self.template, self.slots = direct, grid, template, tuple(slots)
+        return self
+
+    def __call__(self, stream: int, tensors: tuple, free: tuple) -> None:
+        flat = self.template.copy()
+        fill = self.direct.fill
+        for index, i, desc in self.slots:
+            if desc is not None:
+                flat[index] = fill(tensors[i].data_ptr(), *desc)
+            elif i >= 0:
+                flat[index] = tensors[i]
+            else:
+                flat[index] = free[-1 - i]
+        self.direct.launch_flat(self.grid, stream, flat)
+
+
+class Recording:
+    """The launches of one launcher call, which :func:`launch` fills in as it goes: what
+    :meth:`keep` turns into the :class:`Recipe` that repeats the call for the next tensors."""
+
+    __slots__ = ("key", "steps", "complete")
+
+    def __init__(self, key):
+        self.key, self.steps, self.complete = key, [], key is not None
+
+    def add(self, kernel, direct, grid: tuple, args: tuple) -> None:
+        self.steps.append((kernel, direct, grid, args))
+
+    def keep(self, inputs: tuple, outputs: tuple, free: tuple = ()) -> None:
+        """Remember the call as a recipe: ``inputs`` are the tensors (or None) it was given, in the
+        order :func:`replay` will get them, ``outputs`` the tensors it allocated, ``free`` the
+        per-call integers, in the kernels' order (the dropout seed's halves). Kept only when every
+        launch went through a direct launch and every argument tensor is one of these."""
+        roles = (*inputs, *outputs)
+        tensors = [x for x in roles if x is not None]
+        if (not self.complete or any(x.data_ptr() & 15 for x in tensors)
+                or len({id(x) for x in tensors}) < len(tensors)):
+            return  # (one tensor in two roles, e.g. do passed as q, would bind both to one of them)
+        if len(_RECIPES) > 4096:  # many distinct lengths: start over rather than grow without bound
+            _RECIPES.clear()
+        steps = []
+        for kernel, direct, grid, args in self.steps:
+            positions = _unspecialized(kernel)
+            if positions and [args[i] for i in sorted(positions)] != list(free):
+                step = None  # the free integers are not the kernel's unspecialized arguments, in order
+            else:
+                step = _Step.bind(direct, grid, args, roles, positions)
+            if step is None:
+                _RECIPES[self.key] = None  # this key's calls always take the launchers' own path
+                return
+            steps.append(step)
+        layouts = tuple((tuple(x.shape), x.stride(), x.dtype) for x in outputs)
+        _RECIPES[self.key] = Recipe(tuple(steps), layouts, outputs[0].device, outputs[0].get_device())
+
+
+class Recipe:
+    """A launcher call kept for repeating: the outputs to allocate and the launches to make, each with
+    its arguments expanded once. Replaying it costs the allocations, one TMA descriptor fill per
+    described tensor and the C launches; no config lookup, descriptor object, cache key or argument
+    binding."""
+
+    __slots__ = ("steps", "layouts", "device", "index")
+
+    def __init__(self, steps: tuple, layouts: tuple, device: torch.device, index: int):
+        self.steps, self.layouts, self.device, self.index = steps, layouts, device, index
+
+    def __call__(self, inputs: tuple, free: tuple):
+        if not self.steps[0].direct.unhooked():
+            return None
+        for x in inputs:
+            if x is not None and x.data_ptr() & 15:
+                return None  # recorded with aligned inputs: a misaligned one takes the launchers' own path
+        device = self.device
+        outputs = tuple(torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                        for shape, stride, dtype in self.layouts)
+        tensors, stream = (*inputs, *outputs), _stream(self.index)
+        for step in self.steps:
+            step(stream, tensors, free)
+        return outputs
+
+
+_RECIPES: dict = {}  # a launcher call's key -> its Recipe, or None where its calls cannot be replayed
+
+
+def recording(key) -> Recording | None:
+    """A :class:`Recording` for a launcher call with ``key`` (None: a call that is never replayed),
+    made when no recipe is kept for the key yet and the default tuning is in force."""
+    if key is None or key in _RECIPES or not _config.tuning_is_default():
+        return None
+    return Recording(key)
+
+
+def replay(key, inputs: tuple, free: tuple = ()):
+    """The outputs of a launcher call repeated from its recipe (:meth:`Recording.keep`) with these
+    ``inputs`` and per-call integers, or None when there is no recipe for ``key`` or it does not
+    apply now (a launch hook set, a misaligned input, a pinned tuning)."""
+    if key is None:
+        return None
+    recipe = _RECIPES.get(key)
+    if recipe is None or not _config.tuning_is_default():
+        return None
+    try:
+        return recipe(inputs, free)
+    except TypeError:  # the generated launcher parses its arguments otherwise (launch() stops direct launches too)
+        _DIRECT[0] = False
+        _RECIPES.clear()
+        return None
+
+
+def _stream(device: int) -> int:
+    """The raw handle of ``device``'s current CUDA stream."""
+    return torch._C._cuda_getCurrentRawStream(device)
 
 
 def _no_hook(hook) -> bool:
@@ -424,9 +598,20 @@ def _unspecialized(kernel) -> frozenset:
     kernel's id: a jitted function hashes through its source-derived cache key, slowly."""
     found = _UNSPECIALIZED.get(id(kernel))
     if found is None:
-        found = _UNSPECIALIZED[id(kernel)] = frozenset(
-            p.num for p in getattr(kernel, "params", ()) if getattr(p, "do_not_specialize", False))
+        params = getattr(kernel, "params", None)
+        if params is not None:
+            found = frozenset(p.num for p in params if getattr(p, "do_not_specialize", False))
+        else:  # jitted under the interpreter: the decorator's own arguments, by name
+            names = list(getattr(kernel, "arg_names", ()))
+            found = frozenset(names.index(a) if isinstance(a, str) else a
+                              for a in (getattr(kernel, "kwargs", {}).get("do_not_specialize") or ()))
+        _UNSPECIALIZED[id(kernel)] = found
     return found
+
+
+def _interpreted(kernel) -> bool:
+    """Whether ``kernel`` was jitted while TRITON_INTERPRET was set: it runs on the CPU, through Triton."""
+    return type(kernel).__name__ == "InterpretedFunction"
 
 
 def _current_device() -> int:
@@ -471,29 +656,39 @@ def _descriptor_key(desc) -> tuple:
     return desc.base.dtype, tuple(desc.shape), tuple(desc.strides), tuple(desc.block_shape)
 
 
-def launch(kernel, grid, args: tuple, constexprs: dict, options: dict) -> None:
+def launch(kernel, grid, args: tuple, constexprs: dict, options: dict, record: Recording | None = None) -> None:
     """Launch ``kernel`` on ``grid`` (an int, or a tuple of up to three) on the current device and stream.
 
     ``kernel[grid](...)`` spends tens of microseconds per call binding and specializing every
     argument before it finds the compiled kernel in Triton's cache, which is most of a short call.
     After the first launch of a signature (:func:`_signature`) the arguments go straight to the
     kernel Triton compiled for it. ``constexprs`` must follow the kernel's parameter order. The
-    interpreter always takes Triton's own path.
+    interpreter always takes Triton's own path. A ``record`` collects each direct launch; any other
+    path marks it incomplete, so no recipe is kept from it.
     """
     grid = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
-    if type(kernel).__name__ == "InterpretedFunction":  # jitted while TRITON_INTERPRET was set
+    if _interpreted(kernel):
         kernel[grid](*args, **constexprs, **options)
+        if record is not None:
+            record.complete = False
         return
     signature = _signature(kernel, args, constexprs, options)
     entry = _COMPILED.get(signature) if _FAST_LAUNCH[0] else None
     if entry is not None and entry[0] is kernel:  # the signature holds id(kernel): check it is this one
         direct = entry[2] if _DIRECT[0] else None
         if direct is not None:
+            full = (*args, *constexprs.values())
             try:
-                if direct(grid, signature[1], (*args, *constexprs.values())):
+                if direct(grid, signature[1], full):
+                    if record is not None:
+                        record.add(kernel, direct, grid, full)
                     return
             except TypeError:  # the generated launcher parses its arguments otherwise: Triton's path from now on
                 _DIRECT[0] = False
+                _RECIPES.clear()
+    if record is not None:
+        record.complete = False  # a launch through Triton's path: nothing to replay
+    if entry is not None and entry[0] is kernel:
         try:
             entry[1][grid](*args, *constexprs.values())
             return

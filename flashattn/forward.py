@@ -41,7 +41,10 @@ from flashattn._triton import (
     launch,
     packed_tile,
     program_tile,
+    recording,
+    replay,
     score_mods,
+    seed_halves,
     tile_mask,
     tile_offsets,
     variant_args,
@@ -249,6 +252,15 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem
         o, lse = attention_forward(q.float(), k.float(), v.float(), problem, alibi_slopes, seed, packing)
         return o.to(q.dtype), lse
     p = problem
+    # A call with the key of an earlier one (the problem, device, layouts) repeats that call's launches
+    # with its own tensors: no config lookup, descriptor object or argument binding (flashattn._triton.Recipe).
+    key = None if p.varlen else (p, q.device, q.stride(), k.stride(), v.stride(),
+                                 alibi_slopes is not None and alibi_slopes.dim())
+    inputs, free = (q, k, v, alibi_slopes), seed_halves(p, seed)
+    replayed = replay(key, inputs, free)
+    if replayed is not None:
+        return replayed
+    record = recording(key)
     if p.varlen:
         o = dense_like(q)
         lse = torch.empty((p.heads_q, p.total_q), dtype=torch.float32, device=q.device)
@@ -265,7 +277,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem
         cu_q = cu_k = lse  # never read: VARLEN is off
         n_q, n_k = p.n, p.m
 
-    def run(plan: _config.Plan):
+    def run(plan: _config.Plan, record=None):
         cfg = plan.config
         offsets = tile_offsets(cu_q, cfg.block_m) if p.varlen else lse
         desc = Descriptors(p.block_d)
@@ -273,12 +285,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem
                 o_view.stride(0), o_view.stride(1), o_view.stride(2),
                 p.heads_q, p.group, n_q, n_k, p.qk_scale, plan.n_blocks, plan.heads_per_group,
                 cu_q, cu_k, offsets, p.batch, *variant_args(p, alibi_slopes, seed, lse))
-        launch(_attn_fwd_kernel, plan.grid, args, plan.constexprs, plan.options)
+        launch(_attn_fwd_kernel, plan.grid, args, plan.constexprs, plan.options, record)
 
     if p.varlen:  # the fixed table entry: every new total would otherwise be a new plan (and autotuning)
         run(_config.plan_for("fwd", p, q.device, _config.get_config("fwd", p, q.device)))
         return o, lse
     # autotuning (opt-in) times candidate configs through the same launch
-    run(_config.plan("fwd", p, q.device, lambda cfg: run(_config.plan_for("fwd", p, q.device, cfg))))
+    run(_config.plan("fwd", p, q.device, lambda cfg: run(_config.plan_for("fwd", p, q.device, cfg))), record)
+    if record is not None:
+        record.keep(inputs, (o, lse), free)
     return o, lse
 # --8<-- [end:fwd-launch]

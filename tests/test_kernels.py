@@ -518,6 +518,95 @@ def test_direct_launch_only_for_the_launcher_it_knows():
     assert not _triton._no_hook(SimpleNamespace(calls=[print])) and not _triton._no_hook(print)
 
 
+# (B, Hq, Hkv, N, M, D, layout, problem keywords, what the second call passes)
+REPLAY_CASES = [
+    (1, 4, 2, 37, 53, 24, "bhnd", dict(causal=True), "fresh"),  # GQA, ragged N < M
+    (2, 2, 2, 40, 40, 64, "bnhd", dict(window=(8, 4)), "fresh"),  # (B, N, H, D) views, a window
+    (1, 4, 4, 33, 65, 40, "bhnd", dict(causal=True, softcap=10.0, alibi=True, dropout_p=0.3), "fresh"),
+    (1, 2, 2, 48, 48, 32, "bhnd", dict(causal=True), "aliased"),  # q, k and v one tensor
+    (1, 2, 2, 48, 48, 32, "bhnd", dict(), "misaligned"),  # q starts 2 bytes past a 16-byte boundary
+]
+
+
+@pytest.mark.parametrize("b, h_q, h_kv, n, m, d, layout, kw, second", REPLAY_CASES)
+def test_replayed_launches_are_the_full_paths(monkeypatch, b, h_q, h_kv, n, m, d, layout, kw, second):
+    """A launcher call repeated from its recipe (flashattn._triton.Recipe) hands the generated C launcher
+    exactly what the full path hands it for the same tensors: every pointer, TMA descriptor, integer,
+    float and the call's own dropout seed, for the forward and the backward's three kernels (with a
+    gradient for the LSE). A call whose input is misaligned takes the full path; a call that passes
+    one tensor in two roles replays correctly, and is never kept as a recipe itself.
+
+    Runs on the CPU: benchmarks.hostcost makes every compiled-kernel launch a call that keeps its
+    arguments, so the two paths' launches can be compared one by one."""
+    from benchmarks import hostcost
+    from flashattn import _triton
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the tool refuses the interpreter; kernels count as compiled
+    gen = torch.Generator().manual_seed(5)
+    alibi = kw.get("alibi", False)
+    variants = dict(window=kw.get("window"), softcap=kw.get("softcap", 0.0), alibi=alibi,
+                    dropout_p=kw.get("dropout_p", 0.0))
+
+    def make(seed, how="fresh"):
+        q, k, v = random_qkv(b, h_q, h_kv, n, m, d, dtype=torch.float16, layout=layout, generator=gen)
+        if how == "aliased":
+            k = v = q
+        elif how == "misaligned":
+            q = torch.randn(q.numel() + 1, dtype=torch.float16, generator=gen)[1:].view(q.shape)
+        extra = dict(do=torch.randn(q.shape, dtype=torch.float16, generator=gen),
+                     dlse=torch.randn(q.shape[:3], generator=gen),
+                     slopes=torch.rand(h_q, generator=gen) if alibi else None, seed=seed)
+        return q, k, v, extra
+
+    def run(q, k, v, extra):
+        problem = Problem.of(q, k, kw.get("causal", False), None, **variants)
+        o, lse = attention_forward(q, k, v, problem, extra["slopes"], extra["seed"])
+        attention_backward(extra["do"], q, k, v, o, lse, problem, extra["dlse"], extra["slopes"], extra["seed"])
+
+    def normalized(captured, inputs):
+        """Each launch's arguments, with the call's inputs named by role and every other tensor (the
+        outputs, o and lse between the passes) by the order in which it first appears."""
+        seen = {}
+        out = []
+        for args in captured:
+            row = []
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    role = next((i for i, x in enumerate(inputs) if x is a), None)
+                    row.append(("input", role) if role is not None else
+                               ("tensor", seen.setdefault(id(a), len(seen)), tuple(a.shape), a.stride(), a.dtype))
+                elif isinstance(a, tuple) and a[:1] == ("tma",):  # a filled descriptor: its base pointer by role
+                    role = next((i for i, x in enumerate(inputs) if x is not None and x.data_ptr() == a[1]), None)
+                    base = ("input", role) if role is not None else "an aligned copy"  # its address may be reused
+                    row.append(("tma", base, *a[2:]))
+                else:
+                    row.append((type(a), a))
+            out.append(row)
+        return out
+
+    first = make(11)
+    later = make(2**40 + 12345, second)  # another seed in both 31-bit halves
+    inputs = (*later[:3], later[3]["do"], later[3]["dlse"], later[3]["slopes"])
+    calls, signature = [], _triton._signature
+    monkeypatch.setattr(_triton, "_signature", lambda *a: calls.append(1) or signature(*a))
+    got = {}
+    for replay in (True, False):
+        with hostcost.launches_disabled(capture=True, replay=replay) as fake:
+            run(*first)
+            if second == "aliased":  # a call with one tensor in two roles keeps no recipe
+                run(*make(3, "aliased"))
+            fake.captured.clear()
+            calls.clear()
+            run(*later)
+            assert len(fake.captured) == 4  # forward, preprocess, dK/dV, dQ
+            got[replay] = normalized(fake.captured, inputs)
+            if replay:
+                kept = [r for r in _triton._RECIPES.values() if r is not None]
+                assert len(kept) == 2  # the forward's and the backward's, from the first call only
+                assert len(calls) == (4 if second == "misaligned" else 0)  # replayed: no cache key, no binding
+    assert got[True] == got[False]
+
+
 @gpu
 @needs_cuda
 def test_gpu_direct_launch_matches_tritons_launch(monkeypatch):
@@ -556,6 +645,71 @@ def test_gpu_direct_launch_matches_tritons_launch(monkeypatch):
     try:
         q, k, v, _ = _inputs(1, 4, 4, 128, 128, 64, torch.float16, seed=3)
         flashattn.attention(q, k, v, causal=True)
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 1
+
+
+@gpu
+@needs_cuda
+def test_gpu_replayed_calls_match_the_full_path(monkeypatch):
+    """Calls repeated from their recipes (flashattn._triton.Recipe) give bitwise the outputs and
+    gradients of the full launch path, in the settings of the direct-launch test plus ALiBi and a
+    gradient of the LSE, with another dropout seed on every call; a replayed call makes no cache key;
+    and while a launch hook is set the call takes Triton's path, so the hook sees its launch."""
+    from triton import knobs
+
+    from flashattn import _triton
+
+    class NeverKept(dict):
+        def __setitem__(self, key, value):  # every call records and keeps nothing: the full path
+            pass
+
+    cases = [((2, 4, 4, 300, 300, 64), dict(causal=True), "bhnd"),
+             ((1, 8, 2, 128, 513, 40), dict(causal=True), "bhnd"),
+             ((2, 4, 4, 257, 100, 128), dict(window=(32, 8)), "bnhd"),
+             ((1, 4, 4, 200, 200, 96), dict(causal=True, dropout_p=0.2, softcap=20.0), "bhnd"),
+             ((2, 4, 2, 256, 320, 256), dict(causal=True, alibi=True), "bnhd")]
+    for shape, kw, layout in cases:
+        q, k, v, do = _inputs(*shape, torch.bfloat16, layout=layout, seed=31)
+        gen = torch.Generator(device=q.device).manual_seed(1)
+        dlse = torch.randn(q.shape[:3], device=q.device, generator=gen)
+        if kw.pop("alibi", False):
+            kw["alibi_slopes"] = torch.rand(q.shape[1], device=q.device, generator=gen)
+
+        def call(seed):
+            qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+            extra = dict(seed=seed) if kw.get("dropout_p") else {}
+            o, lse = flashattn.attention(qq, kk, vv, return_lse=True, **kw, **extra)
+            return (o, lse, *torch.autograd.grad((o, lse), (qq, kk, vv), (do, dlse)))
+
+        runs = []
+        for keep in (False, True):
+            monkeypatch.setattr(_triton, "_RECIPES", {} if keep else NeverKept())
+            call(7), call(8)  # compile, then record
+            signatures = []
+            with monkeypatch.context() as m:
+                m.setattr(_triton, "_signature", lambda *a, f=_triton._signature: signatures.append(1) or f(*a))
+                runs.append(call(2**40 + 9))
+            if keep and any(entry[2] is not None for entry in _triton._COMPILED.values()):
+                assert len([r for r in _triton._RECIPES.values() if r is not None]) == 2
+                assert signatures == []  # both passes replayed
+        for a, b in zip(*runs):
+            assert torch.isfinite(a).all() or a.dtype == torch.float32
+            assert not torch.isnan(a).any()
+            assert torch.equal(a, b)
+    if not _triton._RECIPES:
+        pytest.skip("this Triton's launcher is not the one _DirectLaunch was written for: nothing replayed")
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata)
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        with torch.no_grad():
+            flashattn.attention(q, k, v, **kw)
         torch.cuda.synchronize()
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
