@@ -2,13 +2,16 @@
 
     PYTHONPATH=. python -m benchmarks.hostcost [--profile] [--b 1 --h 16 --n 512 --d 64 --causal]
 
-A short eager call is bound by the host (docs/benchmarks.md, the latency section), and most of that host
-time is this package's Python: argument checks, the problem description, the config lookup, output
-allocation, descriptors, the compiled-kernel cache key. That part runs the same on any machine, so it
-can be measured and cut without a GPU. This tool runs the real eager path (``flashattn.attention``
-and its autograd backward) on float16 CPU tensors, routed to the Triton launchers as CUDA tensors are,
-and replaces only the last step, the compiled kernel's launch, by a call that does nothing. What it
-reports is therefore everything the package does per call except Triton's launcher and the GPU:
+A short eager call is bound by the host (docs/benchmarks.md, the latency section), and much of that
+host time is this package's Python: argument checks, the problem description, the config lookup,
+output allocation, descriptors, the compiled-kernel cache key, or for a repeated call the replay of
+its recipe (flashattn._triton.Recipe). That part runs the same on any machine, so it can be measured
+and cut without a GPU. This tool runs the real eager path (``flashattn.attention`` and its autograd
+backward) on float16 CPU tensors, routed to the Triton launchers as CUDA tensors are; every kernel
+counts as compiled and launches through the package's direct launch, whose two C calls (the
+generated launcher and the TMA descriptor fill) do nothing. What it reports is therefore everything
+the package does per call except those C calls and the GPU, once with every launcher call on the full
+path (no recipe kept) and once replayed:
 
 * ``fwd`` and ``fwd+bwd``: ``flashattn.attention(q, k, v)`` with q, k, v requiring grad, and
   ``torch.autograd.grad`` of it (the latency section's two passes), on the calling thread;
@@ -16,8 +19,8 @@ reports is therefore everything the package does per call except Triton's launch
   :func:`flashattn.backward.attention_backward` alone.
 
 Numbers are medians of 5 loops on this machine's CPU, in µs. They are not GPU timings and are never
-compared with a peer: on the GPU host, Triton's own launcher (about 20 µs per launch with descriptors,
-measured on an H200 host) and the autograd engine's worker thread come on top. CPU tensors take the
+compared with a peer: on the GPU host, the C launches (the driver's launch took about 11 µs per
+kernel on an H200 host) and the autograd engine's worker thread come on top. CPU tensors take the
 package's CPU tile sizes (the interpreter's), so the backward's two kernels share fewer descriptors
 than on a GPU; nothing else in the host work depends on the tiles.
 """
