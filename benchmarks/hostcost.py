@@ -66,6 +66,29 @@ class _NoLaunch:
         return d
 
 
+def normalized(captured: list, inputs: tuple) -> list:
+    """The launches :class:`_NoLaunch` captured, comparable across two runs on the same inputs: each
+    argument tensor named by its role in ``inputs`` or, if none (an output, a scratch buffer, o and
+    lse between the passes), by the order in which it first appears, with its shape, strides and
+    dtype; a filled descriptor by its base's role (a copy made for alignment is only named so: the
+    allocator may reuse its address); everything else by type and value."""
+    seen, out = {}, []
+    for args in captured:
+        row = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                role = next((i for i, x in enumerate(inputs) if x is a), None)
+                row.append(("input", role) if role is not None else
+                           ("tensor", seen.setdefault(id(a), len(seen)), tuple(a.shape), a.stride(), a.dtype))
+            elif isinstance(a, tuple) and a[:1] == ("tma",):
+                role = next((i for i, x in enumerate(inputs) if x is not None and x.data_ptr() == a[1]), None)
+                row.append(("tma", ("input", role) if role is not None else "an aligned copy", *a[2:]))
+            else:
+                row.append((type(a), a))
+        out.append(row)
+    return out
+
+
 @contextlib.contextmanager
 def launches_disabled(capture: bool = False, replay: bool = True):
     """Route float16/bfloat16 CPU tensors to the Triton launchers and make every launch a no-op,
@@ -79,8 +102,11 @@ def launches_disabled(capture: bool = False, replay: bool = True):
     if _config.is_interpreter():
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter does not use the compiled-kernel path")
     fake = _NoLaunch(capture)
+    from flashattn import decode_kernels as dec_mod
+
     kernels = {id(k): (k, fake, fake.direct(k)) for k in (fwd_mod._attn_fwd_kernel, bwd_mod._bwd_preprocess_kernel,
-                                                         bwd_mod._bwd_dkdv_kernel, bwd_mod._bwd_dq_kernel)}
+                                                         bwd_mod._bwd_dkdv_kernel, bwd_mod._bwd_dq_kernel,
+                                                         dec_mod._decode_split_kernel, dec_mod._decode_merge_kernel)}
 
     class Compiled(dict):
         def get(self, key, default=None):  # every signature is "already compiled"

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flashattn import reference
+from flashattn import ops, reference
 from flashattn.api import check_dtype_for_device, check_flag, check_scale, is_int
-from flashattn.ops import use_kernels
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
@@ -232,7 +231,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         max_keys = p.capacity
     if p.n_new:
         _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table)
-    if use_kernels(q):
+    if ops.use_kernels(q):
         from flashattn.decode_kernels import decode_forward  # imports triton
 
         o, lse = decode_forward(q, k_cache, v_cache, seq_lens, p.n_new, block_table, p.causal, p.scale,

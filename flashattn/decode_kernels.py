@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from flashattn import _config, reference
-from flashattn._triton import LN2, LOG2E, ceil_div, device_fn, launch, on_device
+from flashattn._triton import LN2, LOG2E, ceil_div, device_fn, launch, on_device, recording, replay
 from flashattn._triton import clamp as _clamp
 from flashattn._triton import fwd_end_visible_key as _fwd_end_visible_key
 from flashattn._triton import fwd_first_masked_key as _fwd_first_masked_key
@@ -324,6 +324,18 @@ def decode_forward(q, k_cache, v_cache, seq_lens, n_new: int, block_table, causa
                          f"need {tiles} tiles of {cfg.block_m}, at most 65535")
     if num_splits is None:
         num_splits = choose_num_splits(batch * h_kv * tiles, max_keys, cfg.block_n, q.device)
+    paged = block_table is not None
+    # A step whose shapes, layouts and split count repeat an earlier one's replays that step's
+    # launches with its own tensors (flashattn._triton.Recipe), as the attention launchers do.
+    key = ("decode", q.dtype, q.device, q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(),
+           seq_lens.stride(), None if not paged else (block_table.shape, block_table.stride()),
+           n_new, causal, scale, num_splits)
+    inputs = (q, k_cache, v_cache, seq_lens, block_table)
+    with on_device(q):
+        replayed = replay(key, inputs)
+    if replayed is not None:
+        return replayed[0], replayed[1]
+    record = recording(key)
     o = torch.empty((batch, n_q, h_q, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, h_q, n_q), dtype=torch.float32, device=q.device)
     direct = num_splits == 1
@@ -332,7 +344,6 @@ def decode_forward(q, k_cache, v_cache, seq_lens, n_new: int, block_table, causa
     else:
         o_part = _scratch((num_splits, batch * h_kv, rows, d), q.device)
         lse_part = _scratch((num_splits, batch * h_kv, rows), q.device)
-    paged = block_table is not None
     table = block_table if paged else seq_lens  # any int32 pointer; never read without paging
     with on_device(q):
         # launch() goes straight to the compiled kernel after the first call: at short caches the
@@ -343,10 +354,12 @@ def decode_forward(q, k_cache, v_cache, seq_lens, n_new: int, block_table, causa
                 block_table.stride(0) if paged else 0, *o.stride(),
                 h_kv, n_q, n_new, num_splits, scale * LOG2E.value),
                dict(GROUP=group, PAGE_SIZE=k_cache.shape[1] if paged else 0, CAUSAL=causal, DIRECT=direct,
-                    HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n), cfg.options())
+                    HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n), cfg.options(), record)
         if not direct:
             launch(_decode_merge_kernel, (batch * h_kv, tiles),
                    (o_part, lse_part, o, lse, *o.stride(), h_kv, n_q, num_splits),
-                   dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_R=cfg.block_m), dict(num_warps=4))
+                   dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_R=cfg.block_m), dict(num_warps=4), record)
+    if record is not None:
+        record.keep(inputs, (o, lse) if direct else (o, lse, o_part, lse_part))
     return o, lse
 # --8<-- [end:decode-launch]

@@ -130,6 +130,52 @@ def test_interpreter_splits_and_poisoned_scratch(num_splits, monkeypatch):
     _check(q, k_cache, v_cache, torch.tensor([40, 0], dtype=torch.int32), k_new, v_new, True, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("num_splits, paged, int_lengths", [(1, False, False), (3, False, True), (2, True, False)],
+                         ids=["direct", "splits-int-lengths", "paged"])
+def test_replayed_decode_steps_are_the_full_path(monkeypatch, num_splits, paged, int_lengths):
+    """A decoding step repeated from its recipe (flashattn._triton.Recipe) hands the C launchers exactly
+    what the full path hands them for the same tensors: the split kernel's and the merge's pointers,
+    strides and scalars, with one split (no merge, no scratch), with several and an int cache length,
+    and with a paged cache. On the CPU, through benchmarks.hostcost's no-op launches."""
+    from benchmarks import hostcost
+    from flashattn import _triton
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the tool refuses the interpreter; kernels count as compiled
+    gen = torch.Generator().manual_seed(2)
+    b, n_q, h_q, h_kv, d, m = 2, 2, 8, 2, 64, 96
+
+    def make():
+        rand = (lambda *shape: torch.randn(*shape, dtype=torch.float16, generator=gen))
+        q = rand(b, n_q, h_q, d)
+        if paged:  # 8 pages of 32 rows, each sequence on 3 of them, in a shuffled order
+            cache = (rand(8, 32, h_kv, d), rand(8, 32, h_kv, d))
+            table = torch.randperm(8, generator=gen)[:6].to(torch.int32).view(b, 3)
+        else:
+            cache, table = (rand(b, m, h_kv, d), rand(b, m, h_kv, d)), None
+        lengths = 70 if int_lengths else torch.tensor([70, 33], dtype=torch.int32)
+        return q, *cache, lengths, table
+
+    def run(q, k_cache, v_cache, lengths, table):
+        attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, num_splits=num_splits)
+
+    first, later = make(), make()
+    calls, signature = [], _triton._signature
+    monkeypatch.setattr(_triton, "_signature", lambda *a: calls.append(1) or signature(*a))
+    got = {}
+    for replay in (True, False):
+        with hostcost.launches_disabled(capture=True, replay=replay) as fake:
+            run(*first)
+            fake.captured.clear()
+            calls.clear()
+            run(*later)
+            assert len(fake.captured) == (1 if num_splits == 1 else 2)
+            got[replay] = hostcost.normalized(fake.captured, later[:3] + later[4:])
+            if replay:
+                assert len([r for r in _triton._RECIPES.values() if r is not None]) == 1
+                assert calls == []  # replayed: no cache key, no binding
+    assert got[True] == got[False]
+
+
 @cpu_only
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_interpreter_large_logits(causal):
@@ -389,11 +435,48 @@ def test_gpu_paged_cache_matches_float64(page_size, dtype):
 
 @gpu
 @needs_cuda
+def test_gpu_replayed_decode_steps_match_the_full_path(monkeypatch):
+    """A decoding loop whose steps replay their launches (flashattn._triton.Recipe) gives bitwise the
+    outputs, LSEs and caches of the same loop on the full launch path: one new key per step with an int
+    length that grows, a paged cache with a tensor of lengths, and one split (no merge)."""
+    from flashattn import _triton
+
+    class NeverKept(dict):
+        def __setitem__(self, key, value):  # every step records and keeps nothing: the full path
+            pass
+
+    pages = (64, 32, 8, 128)
+    for paged, splits in ((False, None), (True, None), (False, 1)):
+        q, k_cache, v_cache, k_new, v_new = _make(4, 1, 32, 8, 128, 2048, 1, torch.bfloat16, seed=21,
+                                                  pages=pages if paged else None)
+        table = torch.randperm(64, device=DEVICE)[:64].to(torch.int32).view(4, 16) if paged else None
+        runs = []
+        for keep in (False, True):
+            monkeypatch.setattr(_triton, "_RECIPES", {} if keep else NeverKept())
+            kc, vc, out, signatures = k_cache.clone(), v_cache.clone(), [], []
+            for step in range(6):
+                lengths = (torch.tensor([300, 0, 400, 40], dtype=torch.int32, device=DEVICE) + step if paged
+                           else 600 + step)  # 601-606 keys: the same split count every step
+                with monkeypatch.context() as m:
+                    m.setattr(_triton, "_signature", lambda *a, f=_triton._signature: signatures.append(step) or f(*a))
+                    out += attention_with_kvcache(q, kc, vc, cache_seqlens=lengths, k_new=k_new, v_new=v_new,
+                                                  block_table=table, num_splits=splits, return_lse=True)
+            if keep and any(entry[2] is not None for entry in _triton._COMPILED.values()):
+                assert 5 not in signatures  # the last step replayed
+            runs.append((*out, kc, vc))
+        for a, b in zip(*runs):
+            assert not torch.isnan(a).any()
+            assert torch.equal(a, b)
+
+
+@gpu
+@needs_cuda
 def test_gpu_large_logits_and_poisoned_scratch(monkeypatch):
     def poisoned(shape, device):
         return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
 
     monkeypatch.setattr(flashattn.decode_kernels, "_scratch", poisoned)
+    monkeypatch.setattr(flashattn._triton, "_RECIPES", {})  # a replayed step would allocate its own scratch
     q, k_cache, v_cache, _, _ = _make(8, 1, 32, 8, 128, 4096, 0, torch.bfloat16, std=4.5, seed=8)
     s = (q[:, :, :1].float() @ k_cache[:, :, 0].float().transpose(-1, -2)) * 128 ** -0.5
     assert s.abs().max() > 60, "inputs do not produce large logits"

@@ -563,27 +563,6 @@ def test_replayed_launches_are_the_full_paths(monkeypatch, b, h_q, h_kv, n, m, d
         o, lse = attention_forward(q, k, v, problem, extra["slopes"], extra["seed"])
         attention_backward(extra["do"], q, k, v, o, lse, problem, extra["dlse"], extra["slopes"], extra["seed"])
 
-    def normalized(captured, inputs):
-        """Each launch's arguments, with the call's inputs named by role and every other tensor (the
-        outputs, o and lse between the passes) by the order in which it first appears."""
-        seen = {}
-        out = []
-        for args in captured:
-            row = []
-            for a in args:
-                if isinstance(a, torch.Tensor):
-                    role = next((i for i, x in enumerate(inputs) if x is a), None)
-                    row.append(("input", role) if role is not None else
-                               ("tensor", seen.setdefault(id(a), len(seen)), tuple(a.shape), a.stride(), a.dtype))
-                elif isinstance(a, tuple) and a[:1] == ("tma",):  # a filled descriptor: its base pointer by role
-                    role = next((i for i, x in enumerate(inputs) if x is not None and x.data_ptr() == a[1]), None)
-                    base = ("input", role) if role is not None else "an aligned copy"  # its address may be reused
-                    row.append(("tma", base, *a[2:]))
-                else:
-                    row.append((type(a), a))
-            out.append(row)
-        return out
-
     first = make(11)
     later = make(2**40 + 12345, second)  # another seed in both 31-bit halves
     inputs = (*later[:3], later[3]["do"], later[3]["dlse"], later[3]["slopes"])
@@ -599,7 +578,7 @@ def test_replayed_launches_are_the_full_paths(monkeypatch, b, h_q, h_kv, n, m, d
             calls.clear()
             run(*later)
             assert len(fake.captured) == 4  # forward, preprocess, dK/dV, dQ
-            got[replay] = normalized(fake.captured, inputs)
+            got[replay] = hostcost.normalized(fake.captured, inputs)
             if replay:
                 kept = [r for r in _triton._RECIPES.values() if r is not None]
                 assert len(kept) == 2  # the forward's and the backward's, from the first call only
