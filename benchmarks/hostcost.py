@@ -89,6 +89,35 @@ def normalized(captured: list, inputs: tuple) -> list:
     return out
 
 
+def replayed_and_full(run, first: tuple, later: tuple, inputs: tuple, before_later=None) -> dict:
+    """``run(*first)`` then ``run(*later)`` under :func:`launches_disabled`, once with recipes kept and
+    once with none. Returns, per path (``True``: replayed), the later call's launches as
+    :func:`normalized` gives them against ``inputs``, and for the replayed path how many compiled-kernel
+    cache keys the later call made (``"keys"``: none when it replayed) and the recipes kept
+    (``"kept"``). ``before_later`` runs between the two calls (with the capture on)."""
+    from flashattn import _triton
+
+    keys, signature = [], _triton._signature
+    out = {}
+    _triton._signature = lambda *a: keys.append(1) or signature(*a)
+    try:
+        for replay in (True, False):
+            with launches_disabled(capture=True, replay=replay) as fake:
+                run(*first)
+                if before_later is not None:
+                    before_later()
+                fake.captured.clear()
+                keys.clear()
+                run(*later)
+                out[replay] = normalized(fake.captured, inputs)
+                if replay:
+                    out["keys"] = len(keys)
+                    out["kept"] = [r for r in _triton._RECIPES.values() if r is not None]
+    finally:
+        _triton._signature = signature
+    return out
+
+
 @contextlib.contextmanager
 def launches_disabled(capture: bool = False, replay: bool = True):
     """Route float16/bfloat16 CPU tensors to the Triton launchers and make every launch a no-op,

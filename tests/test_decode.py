@@ -138,7 +138,6 @@ def test_replayed_decode_steps_are_the_full_path(monkeypatch, num_splits, paged,
     strides and scalars, with one split (no merge, no scratch), with several and an int cache length,
     and with a paged cache. On the CPU, through benchmarks.hostcost's no-op launches."""
     from benchmarks import hostcost
-    from flashattn import _triton
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the tool refuses the interpreter; kernels count as compiled
     gen = torch.Generator().manual_seed(2)
@@ -159,20 +158,9 @@ def test_replayed_decode_steps_are_the_full_path(monkeypatch, num_splits, paged,
         attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, num_splits=num_splits)
 
     first, later = make(), make()
-    calls, signature = [], _triton._signature
-    monkeypatch.setattr(_triton, "_signature", lambda *a: calls.append(1) or signature(*a))
-    got = {}
-    for replay in (True, False):
-        with hostcost.launches_disabled(capture=True, replay=replay) as fake:
-            run(*first)
-            fake.captured.clear()
-            calls.clear()
-            run(*later)
-            assert len(fake.captured) == (1 if num_splits == 1 else 2)
-            got[replay] = hostcost.normalized(fake.captured, later[:3] + later[4:])
-            if replay:
-                assert len([r for r in _triton._RECIPES.values() if r is not None]) == 1
-                assert calls == []  # replayed: no cache key, no binding
+    got = hostcost.replayed_and_full(run, first, later, later[:3] + later[4:])
+    assert len(got[True]) == len(got[False]) == (1 if num_splits == 1 else 2)
+    assert len(got["kept"]) == 1 and got["keys"] == 0  # replayed: no cache key, no binding
     assert got[True] == got[False]
 
 

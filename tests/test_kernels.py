@@ -539,7 +539,6 @@ def test_replayed_launches_are_the_full_paths(monkeypatch, b, h_q, h_kv, n, m, d
     Runs on the CPU: benchmarks.hostcost makes every compiled-kernel launch a call that keeps its
     arguments, so the two paths' launches can be compared one by one."""
     from benchmarks import hostcost
-    from flashattn import _triton
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the tool refuses the interpreter; kernels count as compiled
     gen = torch.Generator().manual_seed(5)
@@ -566,23 +565,12 @@ def test_replayed_launches_are_the_full_paths(monkeypatch, b, h_q, h_kv, n, m, d
     first = make(11)
     later = make(2**40 + 12345, second)  # another seed in both 31-bit halves
     inputs = (*later[:3], later[3]["do"], later[3]["dlse"], later[3]["slopes"])
-    calls, signature = [], _triton._signature
-    monkeypatch.setattr(_triton, "_signature", lambda *a: calls.append(1) or signature(*a))
-    got = {}
-    for replay in (True, False):
-        with hostcost.launches_disabled(capture=True, replay=replay) as fake:
-            run(*first)
-            if second == "aliased":  # a call with one tensor in two roles keeps no recipe
-                run(*make(3, "aliased"))
-            fake.captured.clear()
-            calls.clear()
-            run(*later)
-            assert len(fake.captured) == 4  # forward, preprocess, dK/dV, dQ
-            got[replay] = hostcost.normalized(fake.captured, inputs)
-            if replay:
-                kept = [r for r in _triton._RECIPES.values() if r is not None]
-                assert len(kept) == 2  # the forward's and the backward's, from the first call only
-                assert len(calls) == (4 if second == "misaligned" else 0)  # replayed: no cache key, no binding
+    # a call with one tensor in two roles keeps no recipe
+    got = hostcost.replayed_and_full(run, first, later, inputs,
+                                     before_later=(lambda: run(*make(3, "aliased"))) if second == "aliased" else None)
+    assert len(got[True]) == len(got[False]) == 4  # forward, preprocess, dK/dV, dQ
+    assert len(got["kept"]) == 2  # the forward's and the backward's, from the first call only
+    assert got["keys"] == (4 if second == "misaligned" else 0)  # replayed: no cache key, no binding
     assert got[True] == got[False]
 
 
@@ -593,8 +581,6 @@ def test_gpu_direct_launch_matches_tritons_launch(monkeypatch):
     the backward's three kernels, descriptors of every tile shape, a transposed layout, padded D,
     GQA, a window, softcap and dropout), and steps aside while a launch hook is set, so the hook
     still sees every launch."""
-    from triton import knobs
-
     from flashattn import _triton
 
     cases = [((2, 4, 4, 300, 300, 64), dict(causal=True), "bhnd"),
@@ -615,6 +601,14 @@ def test_gpu_direct_launch_matches_tritons_launch(monkeypatch):
             assert torch.equal(a, b)
     if not any(entry[2] is not None for entry in _triton._COMPILED.values()):
         pytest.skip("this Triton's launcher is not the one _DirectLaunch was written for: nothing launched directly")
+    q, k, v, _ = _inputs(1, 4, 4, 128, 128, 64, torch.float16, seed=3)
+    assert _launches_a_hook_sees(lambda: flashattn.attention(q, k, v, causal=True)) == 1
+
+
+def _launches_a_hook_sees(fn) -> int:
+    """How many launches Triton's launch-enter hook (a profiler's) sees while ``fn()`` runs."""
+    from triton import knobs
+
     seen = []
 
     def hook(metadata):
@@ -622,12 +616,11 @@ def test_gpu_direct_launch_matches_tritons_launch(monkeypatch):
 
     knobs.runtime.launch_enter_hook.add(hook)
     try:
-        q, k, v, _ = _inputs(1, 4, 4, 128, 128, 64, torch.float16, seed=3)
-        flashattn.attention(q, k, v, causal=True)
+        fn()
         torch.cuda.synchronize()
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
-    assert len(seen) == 1
+    return len(seen)
 
 
 @gpu
@@ -637,8 +630,6 @@ def test_gpu_replayed_calls_match_the_full_path(monkeypatch):
     gradients of the full launch path, in the settings of the direct-launch test plus ALiBi and a
     gradient of the LSE, with another dropout seed on every call; a replayed call makes no cache key;
     and while a launch hook is set the call takes Triton's path, so the hook sees its launch."""
-    from triton import knobs
-
     from flashattn import _triton
 
     class NeverKept(dict):
@@ -680,19 +671,8 @@ def test_gpu_replayed_calls_match_the_full_path(monkeypatch):
             assert torch.equal(a, b)
     if not _triton._RECIPES:
         pytest.skip("this Triton's launcher is not the one _DirectLaunch was written for: nothing replayed")
-    seen = []
-
-    def hook(metadata):
-        seen.append(metadata)
-
-    knobs.runtime.launch_enter_hook.add(hook)
-    try:
-        with torch.no_grad():
-            flashattn.attention(q, k, v, **kw)
-        torch.cuda.synchronize()
-    finally:
-        knobs.runtime.launch_enter_hook.remove(hook)
-    assert len(seen) == 1
+    with torch.no_grad():
+        assert _launches_a_hook_sees(lambda: flashattn.attention(q, k, v, **kw)) == 1
 
 
 @gpu
