@@ -428,10 +428,11 @@ class _Step:
     __slots__ = ("direct", "grid", "template", "slots")
 
     @classmethod
-    def bind(cls, direct: "_DirectLaunch", grid: tuple, args: tuple, roles: tuple, free: frozenset):
+    def bind(cls, direct: "_DirectLaunch", grid: tuple, args: tuple, roles: tuple, free: tuple, positions):
         """The step that repeats ``direct``'s launch of ``args`` with other tensors in the same
-        ``roles``, or None when an argument tensor (or a descriptor's) is not one of them. ``free``
-        holds the positions of the per-call integers (the kernel's unspecialized arguments)."""
+        ``roles`` and other per-call integers ``free``, or None when an argument tensor (or a
+        descriptor's) is not one of the roles, or the kernel's unspecialized arguments (at
+        ``positions``) are not ``free`` in order."""
         def role(x):
             for i, r in enumerate(roles):
                 if r is x:
@@ -457,7 +458,9 @@ class _Step:
                     return None
                 slots.append((len(template), i, None))
                 template.append(None)
-            elif position in free:  # the n-th free integer of this call, counted from -1 down
+            elif position in positions:  # the n-th free integer of this call, counted from -1 down
+                if n_free >= len(free) or a != free[n_free]:
+                    return None
                 n_free += 1
                 slots.append((len(template), -n_free, None))
                 template.append(None)
@@ -487,7 +490,7 @@ class Recording:
     __slots__ = ("key", "steps", "complete")
 
     def __init__(self, key):
-        self.key, self.steps, self.complete = key, [], key is not None
+        self.key, self.steps, self.complete = key, [], True
 
     def add(self, kernel, direct, grid: tuple, args: tuple) -> None:
         self.steps.append((kernel, direct, grid, args))
@@ -506,17 +509,13 @@ class Recording:
             _RECIPES.clear()
         steps = []
         for kernel, direct, grid, args in self.steps:
-            positions = _unspecialized(kernel)
-            if positions and [args[i] for i in sorted(positions)] != list(free):
-                step = None  # the free integers are not the kernel's unspecialized arguments, in order
-            else:
-                step = _Step.bind(direct, grid, args, roles, positions)
+            step = _Step.bind(direct, grid, args, roles, free, _unspecialized(kernel))
             if step is None:
                 _RECIPES[self.key] = None  # this key's calls always take the launchers' own path
                 return
             steps.append(step)
         layouts = tuple((tuple(x.shape), x.stride(), x.dtype) for x in outputs)
-        _RECIPES[self.key] = Recipe(tuple(steps), layouts, outputs[0].device, outputs[0].get_device())
+        _RECIPES[self.key] = Recipe(tuple(steps), layouts, outputs[0].device)
 
 
 class Recipe:
@@ -525,10 +524,10 @@ class Recipe:
     described tensor and the C launches; no config lookup, descriptor object, cache key or argument
     binding."""
 
-    __slots__ = ("steps", "layouts", "device", "index")
+    __slots__ = ("steps", "layouts", "device")
 
-    def __init__(self, steps: tuple, layouts: tuple, device: torch.device, index: int):
-        self.steps, self.layouts, self.device, self.index = steps, layouts, device, index
+    def __init__(self, steps: tuple, layouts: tuple, device: torch.device):
+        self.steps, self.layouts, self.device = steps, layouts, device
 
     def __call__(self, inputs: tuple, free: tuple):
         if not self.steps[0].direct.unhooked():
@@ -539,7 +538,7 @@ class Recipe:
         device = self.device
         outputs = tuple(torch.empty_strided(shape, stride, dtype=dtype, device=device)
                         for shape, stride, dtype in self.layouts)
-        tensors, stream = (*inputs, *outputs), _stream(self.index)
+        tensors, stream = (*inputs, *outputs), _stream(device.index)
         for step in self.steps:
             step(stream, tensors, free)
         return outputs
@@ -567,10 +566,15 @@ def replay(key, inputs: tuple, free: tuple = ()):
         return None
     try:
         return recipe(inputs, free)
-    except TypeError:  # the generated launcher parses its arguments otherwise (launch() stops direct launches too)
-        _DIRECT[0] = False
-        _RECIPES.clear()
+    except TypeError:  # the generated launcher parses its arguments otherwise
+        _stop_direct_launches()
         return None
+
+
+def _stop_direct_launches() -> None:
+    """Triton's own launch path from now on: no direct launch, no recipe."""
+    _DIRECT[0] = False
+    _RECIPES.clear()
 
 
 def _stream(device: int) -> int:
@@ -674,21 +678,20 @@ def launch(kernel, grid, args: tuple, constexprs: dict, options: dict, record: R
         return
     signature = _signature(kernel, args, constexprs, options)
     entry = _COMPILED.get(signature) if _FAST_LAUNCH[0] else None
-    if entry is not None and entry[0] is kernel:  # the signature holds id(kernel): check it is this one
-        direct = entry[2] if _DIRECT[0] else None
-        if direct is not None:
-            full = (*args, *constexprs.values())
-            try:
-                if direct(grid, signature[1], full):
-                    if record is not None:
-                        record.add(kernel, direct, grid, full)
-                    return
-            except TypeError:  # the generated launcher parses its arguments otherwise: Triton's path from now on
-                _DIRECT[0] = False
-                _RECIPES.clear()
+    known = entry is not None and entry[0] is kernel  # the signature holds id(kernel): check it is this one
+    direct = entry[2] if known and _DIRECT[0] else None
+    if direct is not None:
+        full = (*args, *constexprs.values())
+        try:
+            if direct(grid, signature[1], full):
+                if record is not None:
+                    record.add(kernel, direct, grid, full)
+                return
+        except TypeError:  # the generated launcher parses its arguments otherwise
+            _stop_direct_launches()
     if record is not None:
         record.complete = False  # a launch through Triton's path: nothing to replay
-    if entry is not None and entry[0] is kernel:
+    if known:
         try:
             entry[1][grid](*args, *constexprs.values())
             return

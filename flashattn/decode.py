@@ -232,10 +232,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     if p.n_new:
         _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table)
     if ops.use_kernels(q):
-        from flashattn.decode_kernels import decode_forward  # imports triton
+        from flashattn._triton import on_device  # imports triton
+        from flashattn.decode_kernels import decode_forward
 
-        o, lse = decode_forward(q, k_cache, v_cache, seq_lens, p.n_new, block_table, p.causal, p.scale,
-                                max_keys, num_splits)
+        with on_device(q):  # Triton launches on the current device: make it the inputs' device
+            o, lse = decode_forward(q, k_cache, v_cache, seq_lens, p.n_new, block_table, p.causal, p.scale,
+                                    max_keys, num_splits)
     else:
         # the cache already holds the new keys: attend to the first L_b of them, in float32 or float64
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32

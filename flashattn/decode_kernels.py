@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from flashattn import _config, reference
-from flashattn._triton import LN2, LOG2E, ceil_div, device_fn, launch, on_device, recording, replay
+from flashattn._triton import LN2, LOG2E, ceil_div, device_fn, launch, recording, replay
 from flashattn._triton import clamp as _clamp
 from flashattn._triton import fwd_end_visible_key as _fwd_end_visible_key
 from flashattn._triton import fwd_first_masked_key as _fwd_first_masked_key
@@ -306,7 +306,8 @@ def decode_forward(q, k_cache, v_cache, seq_lens, n_new: int, block_table, causa
     ``seq_lens`` (B,) int32 on q's device holds the lengths *before* the append of ``n_new`` keys;
     ``max_keys`` bounds ``seq_lens + n_new`` (the cache's capacity when the lengths are not known on
     the host). Returns ``(o, lse)``: o (B, Nq, Hq, D) contiguous in q's dtype, lse (B, Hq, Nq) float32
-    natural log. Inputs are validated by :mod:`flashattn.decode`.
+    natural log. Inputs are validated by :mod:`flashattn.decode`, which also makes q's device the
+    current one, where the launches go.
     """
     if _interpreter_needs_float32(q):
         o, lse = decode_forward(q.float(), k_cache.float(), v_cache.float(), seq_lens, n_new, block_table,
@@ -331,8 +332,7 @@ def decode_forward(q, k_cache, v_cache, seq_lens, n_new: int, block_table, causa
            seq_lens.stride(), None if not paged else (block_table.shape, block_table.stride()),
            n_new, causal, scale, num_splits)
     inputs = (q, k_cache, v_cache, seq_lens, block_table)
-    with on_device(q):
-        replayed = replay(key, inputs)
+    replayed = replay(key, inputs)
     if replayed is not None:
         return replayed[0], replayed[1]
     record = recording(key)
@@ -345,20 +345,19 @@ def decode_forward(q, k_cache, v_cache, seq_lens, n_new: int, block_table, causa
         o_part = _scratch((num_splits, batch * h_kv, rows, d), q.device)
         lse_part = _scratch((num_splits, batch * h_kv, rows), q.device)
     table = block_table if paged else seq_lens  # any int32 pointer; never read without paging
-    with on_device(q):
-        # launch() goes straight to the compiled kernel after the first call: at short caches the
-        # host work of Triton's own launch path is longer than the kernels
-        launch(_decode_split_kernel, (batch * h_kv, num_splits, tiles),
-               (q, k_cache, v_cache, seq_lens, table, o_part, lse_part, o, lse,
-                *q.stride(), *k_cache.stride(), *v_cache.stride(),
-                block_table.stride(0) if paged else 0, *o.stride(),
-                h_kv, n_q, n_new, num_splits, scale * LOG2E.value),
-               dict(GROUP=group, PAGE_SIZE=k_cache.shape[1] if paged else 0, CAUSAL=causal, DIRECT=direct,
-                    HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n), cfg.options(), record)
-        if not direct:
-            launch(_decode_merge_kernel, (batch * h_kv, tiles),
-                   (o_part, lse_part, o, lse, *o.stride(), h_kv, n_q, num_splits),
-                   dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_R=cfg.block_m), dict(num_warps=4), record)
+    # launch() goes straight to the compiled kernel after the first call: at short caches the host
+    # work of Triton's own launch path is longer than the kernels
+    launch(_decode_split_kernel, (batch * h_kv, num_splits, tiles),
+           (q, k_cache, v_cache, seq_lens, table, o_part, lse_part, o, lse,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(),
+            block_table.stride(0) if paged else 0, *o.stride(),
+            h_kv, n_q, n_new, num_splits, scale * LOG2E.value),
+           dict(GROUP=group, PAGE_SIZE=k_cache.shape[1] if paged else 0, CAUSAL=causal, DIRECT=direct,
+                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n), cfg.options(), record)
+    if not direct:
+        launch(_decode_merge_kernel, (batch * h_kv, tiles),
+               (o_part, lse_part, o, lse, *o.stride(), h_kv, n_q, num_splits),
+               dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_R=cfg.block_m), dict(num_warps=4), record)
     if record is not None:
         record.keep(inputs, (o, lse) if direct else (o, lse, o_part, lse_part))
     return o, lse
