@@ -29,8 +29,10 @@ minutes compiling); dynamo's guards on symbolic shapes are then part of the meas
 they are for a model compiled over varying lengths. Compile time is never timed: the first calls of
 each shape run before the clock starts. A compile or call that fails is recorded with its message.
 
-Order: mode, then provider, then shape. Dynamo's caches are reset before each (mode, provider), so
-every compiled call is timed with only its own graphs installed.
+Order: mode, then, in the eager modes, shape, then provider: the providers compared at one shape
+are measured back to back, so a host whose speed drifts during the section moves them together. In
+the compiled modes: provider, then shape; dynamo's caches are reset before each provider, so every
+compiled call is timed with only its own graphs installed.
 """
 
 from __future__ import annotations
@@ -170,15 +172,24 @@ def run_latency(shapes, providers, *, device, modes=MODES, passes=PASSES, measur
         reset = _dynamo.reset
     records = []
     for mode in modes:
-        for provider in providers:
-            reset()
-            line = []
-            for index, setting in enumerate(shapes):
-                recs = _measure_shape(setting, provider, mode, passes, device=device, measure_fn=measure_fn,
-                                      compile_fn=compile_fn, sync=sync, clock=clock, seed=index)
-                records += recs
-                line += [f"{r['us_per_call']:.0f}" if r["status"] == "ok" else r["status"] for r in recs]
-            log(f"[latency {mode}] {provider.name}: " + " ".join(line) + " µs")
+        lines = {provider.name: [] for provider in providers}
+        if mode in EAGER_MODES:
+            # every provider at one shape, then the next shape: the figures compared at a shape are
+            # taken seconds apart, not minutes, so a host that drifts moves them together
+            order = [(provider, index, setting) for index, setting in enumerate(shapes) for provider in providers]
+        else:  # compiled: one provider's graphs at a time (dynamo's caches are reset between providers)
+            order = [(provider, index, setting) for provider in providers for index, setting in enumerate(shapes)]
+        last = None
+        for provider, index, setting in order:
+            if mode not in EAGER_MODES and provider is not last:
+                reset()
+            last = provider
+            recs = _measure_shape(setting, provider, mode, passes, device=device, measure_fn=measure_fn,
+                                  compile_fn=compile_fn, sync=sync, clock=clock, seed=index)
+            records += recs
+            lines[provider.name] += [f"{r['us_per_call']:.0f}" if r["status"] == "ok" else r["status"] for r in recs]
+        for name, line in lines.items():
+            log(f"[latency {mode}] {name}: " + " ".join(line) + " µs")
     return records
 
 

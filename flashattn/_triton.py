@@ -415,17 +415,27 @@ class _DirectLaunch:
         flat += args[start:]
         return flat
 
+    def header(self, grid: tuple, stream) -> list:
+        """The generated C launcher's arguments before the kernel's own: the grid, the stream, the
+        function, the launch flags, the metadata, and no hooks or profiler scratch."""
+        return [grid[0], grid[1], grid[2], stream, self.function, *self.flags, None, None, self.metadata,
+                None, None, None]
+
     def launch_flat(self, grid: tuple, stream: int, flat) -> None:
         """Call the generated C launcher with arguments :meth:`expand` made."""
-        self.c_launch(grid[0], grid[1], grid[2], stream, self.function, *self.flags, None, None, self.metadata,
-                      None, None, None, *flat)
+        self.c_launch(*self.header(grid, stream), *flat)
 
 
 class _Step:
-    """One launch of a :class:`Recipe`: the expanded arguments of a recorded launch, with the places
-    that change from call to call (a tensor's pointer, a TMA descriptor of a tensor, a seed) marked."""
+    """One launch of a :class:`Recipe`: the whole argument list of the generated C launcher for a
+    recorded launch (grid, stream, function, metadata, then the kernel's expanded arguments), with
+    the places that change from call to call marked: the stream, a tensor's pointer, a TMA
+    descriptor of a tensor, a seed half. A replay copies the list, fills those places and makes the
+    one C call."""
 
-    __slots__ = ("direct", "grid", "template", "slots")
+    __slots__ = ("direct", "c_launch", "fill", "template", "tensors", "descriptors", "free")
+
+    STREAM = 3  # where the stream goes in the C launcher's arguments (see _DirectLaunch.launch_flat)
 
     @classmethod
     def bind(cls, direct: "_DirectLaunch", grid: tuple, args: tuple, roles: tuple, free: tuple, positions):
@@ -440,7 +450,8 @@ class _Step:
             return None
 
         described = {position: rest for position, *rest in direct.plan}
-        template, slots, n_free = [], [], 0
+        template = direct.header(grid, None)
+        tensors, descriptors, frees = [], [], []
         for position, a in enumerate(args):
             if position in described:
                 i = role(a.base)
@@ -448,7 +459,7 @@ class _Step:
                     return None
                 swizzle, elem_size, dtype, block = described[position]
                 fill = (swizzle, elem_size, dtype, block, a.shape, a.strides, 1 if a.padding == "nan" else 0)
-                slots.append((len(template), i, fill))
+                descriptors.append((len(template), i, fill))  # numbered by the Recipe
                 template.append(None)
                 template += a.shape
                 template += a.strides
@@ -456,31 +467,34 @@ class _Step:
                 i = role(a)
                 if i is None:
                     return None
-                slots.append((len(template), i, None))
+                tensors.append((len(template), i))
                 template.append(None)
-            elif position in positions:  # the n-th free integer of this call, counted from -1 down
-                if n_free >= len(free) or a != free[n_free]:
+            elif position in positions:  # the n-th free integer of this call
+                n = len(frees)
+                if n >= len(free) or a != free[n]:
                     return None
-                n_free += 1
-                slots.append((len(template), -n_free, None))
+                frees.append((len(template), n))
                 template.append(None)
             else:
                 template.append(a)
         self = object.__new__(cls)
-        self.direct, self.grid, self.template, self.slots = direct, grid, template, tuple(slots)
+        self.direct, self.c_launch, self.fill = direct, direct.c_launch, direct.fill
+        self.template, self.tensors, self.descriptors, self.free = template, tuple(tensors), tuple(descriptors), tuple(frees)
         return self
 
-    def __call__(self, stream: int, tensors: tuple, free: tuple) -> None:
+    def __call__(self, stream: int, tensors: tuple, filled: list, free: tuple) -> None:
+        """Launch with these ``tensors`` (the recipe's roles), the TMA descriptors the recipe
+        ``filled`` for them (:attr:`descriptors` holds an index into it after :class:`Recipe` made
+        the step its own) and the per-call integers."""
         flat = self.template.copy()
-        fill = self.direct.fill
-        for index, i, desc in self.slots:
-            if desc is not None:
-                flat[index] = fill(tensors[i].data_ptr(), *desc)
-            elif i >= 0:
-                flat[index] = tensors[i]
-            else:
-                flat[index] = free[-1 - i]
-        self.direct.launch_flat(self.grid, stream, flat)
+        flat[self.STREAM] = stream
+        for index, i in self.tensors:
+            flat[index] = tensors[i]
+        for index, n in self.descriptors:
+            flat[index] = filled[n]
+        for index, n in self.free:
+            flat[index] = free[n]
+        self.c_launch(*flat)
 
 
 class Recording:
@@ -524,10 +538,24 @@ class Recipe:
     described tensor and the C launches; no config lookup, descriptor object, cache key or argument
     binding."""
 
-    __slots__ = ("steps", "layouts", "device")
+    __slots__ = ("steps", "layouts", "device", "fills")
 
     def __init__(self, steps: tuple, layouts: tuple, device: torch.device):
         self.steps, self.layouts, self.device = steps, layouts, device
+        # One TMA descriptor per distinct (tensor, tile): the backward's two kernels often read q, k,
+        # v and dO in the same tiles. A launch copies its descriptors into the kernel's parameters, so
+        # two launches may share one.
+        fills, index = [], {}
+        for step in steps:
+            numbered = []
+            for position, role, args in step.descriptors:
+                key = (step.fill, role, repr(args))
+                if key not in index:
+                    index[key] = len(fills)
+                    fills.append((step.fill, role, args))
+                numbered.append((position, index[key]))
+            step.descriptors = tuple(numbered)
+        self.fills = tuple(fills)
 
     def __call__(self, inputs: tuple, free: tuple):
         if not self.steps[0].direct.unhooked():
@@ -539,8 +567,9 @@ class Recipe:
         outputs = tuple(torch.empty_strided(shape, stride, dtype=dtype, device=device)
                         for shape, stride, dtype in self.layouts)
         tensors, stream = (*inputs, *outputs), _stream(device.index)
+        filled = [fill(tensors[i].data_ptr(), *args) for fill, i, args in self.fills]
         for step in self.steps:
-            step(stream, tensors, free)
+            step(stream, tensors, filled, free)
         return outputs
 
 

@@ -12,7 +12,7 @@ import numbers
 import torch
 
 from flashattn import ops
-from flashattn.autograd import AttentionFunction
+from flashattn.autograd import AttentionFunction, attention_apply
 from flashattn.ops import KERNEL_DTYPES
 from flashattn.problem import Problem
 
@@ -105,8 +105,9 @@ def _autocast(q, k, v):
 MAX_SEED = 2**62  # the kernels take the dropout seed as two 31-bit halves
 
 
-def _check_variants(q, window, softcap, alibi_slopes, dropout_p, generator, seed):
-    """Validate the variants' arguments; returns the window as a tuple (or None) and softcap as a float."""
+def _check_variants(q, window, softcap, alibi_slopes, dropout_p):
+    """Validate the variants' arguments but the dropout seed's source (:func:`_check_dropout_source`);
+    returns the window as a tuple (or None) and softcap as a float."""
     if window is not None:
         if not isinstance(window, (tuple, list)) or len(window) != 2:
             raise TypeError(f"window must be a (left, right) pair of ints or None, got {window!r}")
@@ -139,6 +140,11 @@ def _check_variants(q, window, softcap, alibi_slopes, dropout_p, generator, seed
         raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return window, softcap
+
+
+def _check_dropout_source(generator, seed) -> None:
+    """The dropout seed's source, which changes from call to call: a generator, a seed, or neither."""
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if seed is not None:
@@ -148,7 +154,48 @@ def _check_variants(q, window, softcap, alibi_slopes, dropout_p, generator, seed
             raise ValueError(f"seed must be in [0, 2**62), got {seed}")
         if generator is not None:
             raise ValueError("pass either a generator or a seed for dropout, not both")
-    return window, softcap
+
+
+_DESCRIBED: dict = {}  # the signature of a call that passed the checks -> its Problem
+
+
+def _signature(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p):
+    """Everything the checks and :class:`Problem` of a call read, the type of each argument included
+    (True and 1 hash alike, but only one is a valid ``causal``); None when an argument is unhashable."""
+    try:
+        return (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+                q.device, k.device, v.device, type(causal), causal, type(scale), scale,
+                type(return_lse), return_lse, type(window), window,
+                window is not None and tuple(map(type, window)), type(softcap), softcap,
+                alibi_slopes is not None and (type(alibi_slopes), alibi_slopes.shape, alibi_slopes.dtype,
+                                              alibi_slopes.device),
+                type(dropout_p), dropout_p)
+    except (AttributeError, TypeError):  # not tensors, or a window that is not a sequence
+        return None
+
+
+def _described(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p) -> Problem:
+    """Check a call against the contract and describe it. The checks and the description are a pure
+    function of the arguments' types, the tensors' shapes, dtypes and devices and the options'
+    values, so a call with the signature of an earlier valid one reuses its Problem: a short call
+    feels the microseconds the checks take."""
+    signature = _signature(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p)
+    try:
+        problem = _DESCRIBED.get(signature) if signature is not None else None
+    except TypeError:  # an unhashable option, e.g. a window given as a list
+        signature = problem = None
+    if problem is not None:
+        return problem
+    _check_inputs(q, k, v, causal, scale)
+    check_flag("return_lse", return_lse)
+    window, softcap = _check_variants(q, window, softcap, alibi_slopes, dropout_p)
+    problem = Problem.of(q, k, causal, scale, window=window, softcap=softcap, alibi=alibi_slopes is not None,
+                         dropout_p=float(dropout_p))
+    if signature is not None:
+        if len(_DESCRIBED) > 4096:  # many distinct shapes: start over rather than grow without bound
+            _DESCRIBED.clear()
+        _DESCRIBED[signature] = problem
+    return problem
 
 
 def _dropout_seed(dropout_p, generator, seed) -> int:
@@ -209,30 +256,33 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     ``torch.ops.flashattn.attention_forward`` (:mod:`flashattn.ops`), traced without a graph break.
     """
     q, k, v = _autocast(q, k, v)
-    _check_inputs(q, k, v, causal, scale)
-    check_flag("return_lse", return_lse)
-    window, softcap = _check_variants(q, window, softcap, alibi_slopes, dropout_p, generator, seed)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    dropout_p = float(dropout_p)
-    if alibi_slopes is not None:
-        alibi_slopes = alibi_slopes.detach().contiguous()
     if torch.compiler.is_compiling():
+        # traced once per graph: the full checks, with no cache keyed by (symbolic) shapes
+        _check_inputs(q, k, v, causal, scale)
+        check_flag("return_lse", return_lse)
+        window, softcap = _check_variants(q, window, softcap, alibi_slopes, dropout_p)
+        _check_dropout_source(generator, seed)
         if dropout_p > 0 and seed is None:
             raise ValueError("under torch.compile, dropout needs an explicit seed= (a generator cannot be traced)")
+        if alibi_slopes is not None:
+            alibi_slopes = alibi_slopes.detach().contiguous()
         left, right = window if window is not None else (None, None)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         o, lse = torch.ops.flashattn.attention_forward(
             q, k, v, causal, scale, -1 if left is None else left, -1 if right is None else right, softcap,
-            alibi_slopes, dropout_p, int(seed) if dropout_p > 0 else 0)
+            alibi_slopes, float(dropout_p), int(seed) if dropout_p > 0 else 0)
     else:
         # Eager calls skip the operator dispatcher (tens of microseconds of a short call) and run the
         # same backends through an autograd.Function, or, when no gradient can flow (inference,
         # torch.no_grad), call the forward backend itself: autograd.Function.apply costs a short
         # call microseconds even when it records nothing.
-        problem = Problem.of(q, k, causal, scale, window=window, softcap=softcap, alibi=alibi_slopes is not None,
-                             dropout_p=dropout_p)
-        args = (q, k, v, problem, ops.use_kernels(q), alibi_slopes, _dropout_seed(dropout_p, generator, seed))
+        problem = _described(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p)
+        _check_dropout_source(generator, seed)
+        if alibi_slopes is not None:
+            alibi_slopes = alibi_slopes.detach().contiguous()
+        args = (q, k, v, problem, ops.use_kernels(q), alibi_slopes, _dropout_seed(problem.dropout_p, generator, seed))
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            o, lse = AttentionFunction.apply(*args)
+            o, lse = attention_apply(*args)
         else:
             o, lse = AttentionFunction.run_forward(*args)
     return (o, lse) if return_lse else o

@@ -30,22 +30,30 @@ def _reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_
                                      **_variants(problem, alibi_slopes, seed))
 
 
-def _kernel_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, packing=None):
-    # Imported late: importing triton costs time, and a CPU-only user never needs it.
-    from flashattn._triton import on_device
-    from flashattn.forward import attention_forward
+_LAUNCHERS: list = []  # the modules flashattn._triton, .forward and .backward, imported at the first kernel call
 
-    with on_device(q):  # Triton launches on the current device: make it the inputs' device
-        return attention_forward(q, k, v, problem, alibi_slopes, seed, packing)
+
+def _launchers() -> list:
+    # Imported late: importing triton costs time, and a CPU-only user never needs it. Kept here after
+    # the first call: an import statement in a function costs a short call its lookup every time.
+    if not _LAUNCHERS:
+        from flashattn import _triton, backward, forward
+
+        _LAUNCHERS[:] = (_triton, forward, backward)
+    return _LAUNCHERS
+
+
+def _kernel_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, packing=None):
+    triton_, forward, _ = _launchers()
+    with triton_.on_device(q):  # Triton launches on the current device: make it the inputs' device
+        return forward.attention_forward(q, k, v, problem, alibi_slopes, seed, packing)
 
 
 def _kernel_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
                      packing=None):
-    from flashattn._triton import on_device
-    from flashattn.backward import attention_backward
-
-    with on_device(q):
-        return attention_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed, packing)
+    triton_, _, backward = _launchers()
+    with triton_.on_device(q):
+        return backward.attention_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed, packing)
 
 
 def _varlen_reference_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, packing=None):
@@ -124,6 +132,30 @@ class AttentionFunction(torch.autograd.Function):
         with _config.tuning_of(ctx.tuning):
             dq, dk, dv = backward(do, q, k, v, o, lse, ctx.problem, dlse, alibi_slopes, ctx.seed)
         return dq, dk, dv, None, None, None, None
+
+
+def _plain_apply(function):
+    """``function.apply`` without its Python wrapper where that wrapper would do nothing.
+
+    ``torch.autograd.Function.apply`` first unwraps leftover functorch wrappers from its arguments
+    with a pytree walk, and hands the call to functorch while a transform (vmap, grad, ...) is active;
+    with neither, it calls the C++ ``apply`` it inherits. This calls that one directly when no
+    transform is active and no input is a functorch wrapper, and the wrapper otherwise: a short call
+    feels the microseconds of the walk."""
+    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    base = super(torch.autograd.Function, function).apply
+    if wrapped is None or active is None:
+        return function.apply
+
+    def apply(q, k, v, *rest):
+        if active() or wrapped(q) or wrapped(k) or wrapped(v):
+            return function.apply(q, k, v, *rest)
+        return base(q, k, v, *rest)
+    return apply
+
+
+attention_apply = _plain_apply(AttentionFunction)  # AttentionFunction.apply for attention's arguments
 
 
 class VarlenFunction(torch.autograd.Function):

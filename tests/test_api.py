@@ -60,6 +60,50 @@ def test_bad_input_raises_a_clear_error(call, exc, words):
         assert word in str(info.value), f"message {str(info.value)!r} does not name {word!r}"
 
 
+ALIASES = [
+    # (a valid keyword value, an invalid one that compares and hashes equal to it)
+    ("causal", True, 1),
+    ("causal", False, 0),
+    ("return_lse", False, 0),
+    ("scale", 1.0, True),
+    ("softcap", 1.0, True),
+    ("dropout_p", 0.0, False),
+    ("window", (1, 2), (True, 2)),
+    ("window", (0, None), (False, None)),
+]
+
+
+@pytest.mark.parametrize("name,valid,alias", ALIASES, ids=[f"{n}={a!r}" for n, _, a in ALIASES])
+def test_a_valid_call_does_not_let_an_equal_invalid_value_through(name, valid, alias):
+    """A call with the signature of an earlier valid one reuses its checks (flashattn.api._described):
+    values that are equal to a valid one but of another type must still be refused."""
+    flashattn.attention(q0, k0, v0, **{name: valid})
+    flashattn.attention(q0, k0, v0, **{name: valid})
+    with pytest.raises(TypeError, match=name.split("_")[0]):
+        flashattn.attention(q0, k0, v0, **{name: alias})
+
+
+def test_bad_inputs_raise_after_valid_calls_of_their_shapes():
+    """Every contract error still fires after valid calls that warmed the checks' cache."""
+    for _, call, exc, _ in BAD_INPUTS:
+        flashattn.attention(q0, k0, v0)
+        flashattn.attention(q0, k0, v0, causal=True, scale=0.5)
+        with pytest.raises(exc):
+            call()
+
+
+def test_repeated_calls_reuse_one_description():
+    from flashattn import api
+    from flashattn.problem import Problem
+
+    api._DESCRIBED.clear()
+    flashattn.attention(q0, k0, v0, causal=True, window=(3, 0), softcap=2.0)
+    flashattn.attention(q0, k0, v0, causal=True, window=(3, 0), softcap=2.0)
+    assert list(api._DESCRIBED.values()) == [Problem.of(q0, k0, True, None, window=(3, 0), softcap=2.0)]
+    flashattn.attention(q0, k0, v0, causal=True, window=[3, 0], softcap=2.0)  # a list: checked, not cached
+    assert len(api._DESCRIBED) == 1
+
+
 def test_import_is_cheap():
     """Importing flashattn imports no triton (no GPU query, no compilation)."""
     code = "import sys, flashattn; assert 'triton' not in sys.modules, 'triton imported'; print('ok')"

@@ -534,6 +534,19 @@ def test_latency_runs_every_provider_mode_and_pass():
         r for r in recs if r["provider"] == "reference"], latency.WallClock()), {"reference": {}})
 
 
+def test_latency_measures_the_providers_of_a_shape_back_to_back_in_eager_modes():
+    """Eager modes: shape, then provider (the figures compared at a shape are taken together);
+    compiled modes: provider, then shape (one provider's graphs at a time)."""
+    compile_fn = RecordingCompile()
+    recs = run_tiny_latency([providers.PROVIDERS["flashattn"], providers.PROVIDERS["reference"]], compile_fn)
+    for mode in latency.MODES:
+        seen = [(r["provider"], r["causal"]) for r in recs if r["mode"] == mode and r["pass"] == "fwd"]
+        if mode in latency.EAGER_MODES:
+            assert seen == [("flashattn", False), ("reference", False), ("flashattn", True), ("reference", True)]
+        else:
+            assert seen == [("flashattn", False), ("flashattn", True), ("reference", False), ("reference", True)]
+
+
 def test_latency_records_a_failed_compile_and_goes_on():
     recs = run_tiny_latency([providers.PROVIDERS["reference"]], RecordingCompile(fail=True))
     for r in recs:
