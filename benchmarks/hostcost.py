@@ -66,27 +66,36 @@ class _NoLaunch:
         return d
 
 
-def normalized(captured: list, inputs: tuple) -> list:
+def normalized(captured: list, inputs: tuple, pointers=None) -> list:
     """The launches :class:`_NoLaunch` captured, comparable across two runs on the same inputs: each
-    argument tensor named by its role in ``inputs`` or, if none (an output, a scratch buffer, o and
-    lse between the passes), by the order in which it first appears, with its shape, strides and
-    dtype; a filled descriptor by its base's role (a copy made for alignment is only named so: the
-    allocator may reuse its address); everything else by type and value."""
+    pointer argument (a tensor, or an int at a position in ``pointers``, a set of (launch, argument)
+    indices: a replayed launch passes data pointers) named by the role in ``inputs`` of the tensor
+    it points to or, if none (an output, a scratch buffer, o and lse between the passes), by the
+    order in which its address first appears; a filled descriptor by its base's role (a copy made
+    for alignment is only named so: the allocator may reuse its address); everything else by type
+    and value."""
+    addresses = {x.data_ptr(): i for i, x in reversed(list(enumerate(inputs))) if x is not None}
     seen, out = {}, []
-    for args in captured:
+    for launch, args in enumerate(captured):
         row = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                role = next((i for i, x in enumerate(inputs) if x is a), None)
-                row.append(("input", role) if role is not None else
-                           ("tensor", seen.setdefault(id(a), len(seen)), tuple(a.shape), a.stride(), a.dtype))
+        for position, a in enumerate(args):
+            if isinstance(a, torch.Tensor) or (pointers is not None and (launch, position) in pointers):
+                address = a.data_ptr() if isinstance(a, torch.Tensor) else a
+                role = addresses.get(address)
+                row.append(("input", role) if role is not None else ("pointer", seen.setdefault(address, len(seen))))
             elif isinstance(a, tuple) and a[:1] == ("tma",):
-                role = next((i for i, x in enumerate(inputs) if x is not None and x.data_ptr() == a[1]), None)
+                role = addresses.get(a[1])
                 row.append(("tma", ("input", role) if role is not None else "an aligned copy", *a[2:]))
             else:
                 row.append((type(a), a))
         out.append(row)
     return out
+
+
+def pointer_positions(captured: list) -> set:
+    """The (launch, argument) indices where the captured launches passed a tensor."""
+    return {(launch, position) for launch, args in enumerate(captured)
+            for position, a in enumerate(args) if isinstance(a, torch.Tensor)}
 
 
 def replayed_and_full(run, first: tuple, later: tuple, inputs: tuple, before_later=None) -> dict:
@@ -98,7 +107,7 @@ def replayed_and_full(run, first: tuple, later: tuple, inputs: tuple, before_lat
     from flashattn import _triton
 
     keys, signature = [], _triton._signature
-    out = {}
+    out, raw = {}, {}
     _triton._signature = lambda *a: keys.append(1) or signature(*a)
     try:
         for replay in (True, False):
@@ -109,12 +118,16 @@ def replayed_and_full(run, first: tuple, later: tuple, inputs: tuple, before_lat
                 fake.captured.clear()
                 keys.clear()
                 run(*later)
-                out[replay] = normalized(fake.captured, inputs)
+                raw[replay] = list(fake.captured)
                 if replay:
                     out["keys"] = len(keys)
                     out["kept"] = [r for r in _triton._RECIPES.values() if r is not None]
     finally:
         _triton._signature = signature
+    # A replayed launch passes ints where the full path passes tensors: the full path says where.
+    # (Addresses are compared within one call, whose tensors all live until it returns.)
+    out[False] = normalized(raw[False], inputs)
+    out[True] = normalized(raw[True], inputs, pointer_positions(raw[False]))
     return out
 
 

@@ -482,14 +482,17 @@ class _Step:
         self.template, self.tensors, self.descriptors, self.free = template, tuple(tensors), tuple(descriptors), tuple(frees)
         return self
 
-    def __call__(self, stream: int, tensors: tuple, filled: list, free: tuple) -> None:
-        """Launch with these ``tensors`` (the recipe's roles), the TMA descriptors the recipe
-        ``filled`` for them (:attr:`descriptors` holds an index into it after :class:`Recipe` made
-        the step its own) and the per-call integers."""
+    def __call__(self, stream: int, pointers: list, filled: list, free: tuple) -> None:
+        """Launch with the data pointers of the recipe's roles (``pointers``, ints), the TMA
+        descriptors the recipe ``filled`` for them (:attr:`descriptors` holds an index into it after
+        :class:`Recipe` made the step its own) and the per-call integers. A pointer goes to the C
+        launcher as an int: given a tensor, the launcher would call its ``data_ptr`` and ask the
+        driver whether the address is device memory, once per pointer argument per launch; the
+        recipe's roles are the call's own CUDA tensors, already checked, and outputs it allocated."""
         flat = self.template.copy()
         flat[self.STREAM] = stream
         for index, i in self.tensors:
-            flat[index] = tensors[i]
+            flat[index] = pointers[i]
         for index, n in self.descriptors:
             flat[index] = filled[n]
         for index, n in self.free:
@@ -560,16 +563,18 @@ class Recipe:
     def __call__(self, inputs: tuple, free: tuple):
         if not self.steps[0].direct.unhooked():
             return None
-        for x in inputs:
-            if x is not None and x.data_ptr() & 15:
+        pointers = [0 if x is None else x.data_ptr() for x in inputs]
+        for pointer in pointers:
+            if pointer & 15:
                 return None  # recorded with aligned inputs: a misaligned one takes the launchers' own path
         device = self.device
         outputs = tuple(torch.empty_strided(shape, stride, dtype=dtype, device=device)
                         for shape, stride, dtype in self.layouts)
-        tensors, stream = (*inputs, *outputs), _stream(device.index)
-        filled = [fill(tensors[i].data_ptr(), *args) for fill, i, args in self.fills]
+        pointers += [x.data_ptr() for x in outputs]
+        stream = _stream(device.index)
+        filled = [fill(pointers[i], *args) for fill, i, args in self.fills]
         for step in self.steps:
-            step(stream, tensors, filled, free)
+            step(stream, pointers, filled, free)
         return outputs
 
 

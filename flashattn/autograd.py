@@ -117,20 +117,25 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=None, seed: int = 0):
         o, lse = AttentionFunction.run_forward(q, k, v, problem, use_kernels, alibi_slopes, seed)
-        ctx.save_for_backward(q, k, v, o, lse, alibi_slopes)
-        ctx.problem, ctx.use_kernels, ctx.seed = problem, use_kernels, seed
-        ctx.tuning = _config.current_tuning()  # the backward may run on another thread
+        if alibi_slopes is None:
+            ctx.save_for_backward(q, k, v, o, lse)
+        else:
+            ctx.save_for_backward(q, k, v, o, lse, alibi_slopes)
+        # one attribute, not four: a short call feels each; the tuning because the backward may run
+        # on another thread
+        ctx.call = (problem, use_kernels, seed, _config.current_tuning())
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        _, backward = backend(ctx.use_kernels)
-        q, k, v, o, lse, alibi_slopes = ctx.saved_tensors
+        problem, use_kernels, seed, tuning = ctx.call
+        q, k, v, o, lse, *alibi_slopes = ctx.saved_tensors
         if do is None:  # only the LSE was used
             do = torch.zeros_like(o)
-        with _config.tuning_of(ctx.tuning):
-            dq, dk, dv = backward(do, q, k, v, o, lse, ctx.problem, dlse, alibi_slopes, ctx.seed)
+        with _config.tuning_of(tuning):
+            dq, dk, dv = backend(use_kernels)[1](do, q, k, v, o, lse, problem, dlse,
+                                                 alibi_slopes[0] if alibi_slopes else None, seed)
         return dq, dk, dv, None, None, None, None
 
 

@@ -404,13 +404,14 @@ def _bwd_dq_kernel(
 
 
 _SIDE_STREAMS: dict = {}
-OVERLAP_MIN_WORK = 2**32  # B * Hq * N * M * D below which dQ runs after dK/dV on one stream
+OVERLAP_MIN_WORK = 2**34  # B * Hq * N * M * D below which dQ runs after dK/dV on one stream
 
 
 def worth_a_second_stream(problem: Problem) -> bool:
-    """Whether running dQ beside dK/dV can gain anything: only when the kernels take long enough for
-    a ragged last wave to matter. A short call is bound by the host, and the two stream switches cost
-    it more than the overlap can give back."""
+    """Whether running dQ beside dK/dV can gain anything: only when the kernels take long enough
+    (about 0.5 ms of backward at 2^34) for a ragged last wave to matter and to hide the host work of
+    a call that is not replayed. A shorter call is bound by the host: the second stream's call takes
+    the launchers' full path and two stream switches, which cost it more than the overlap gives back."""
     p = problem
     rows, keys = (p.total_q, p.m) if p.varlen else (p.batch * p.n, p.m)  # varlen: m is the longest sequence's
     return rows * p.heads_q * keys * p.head_dim >= OVERLAP_MIN_WORK

@@ -47,6 +47,13 @@ class Problem:
     total_q: int = 0
     total_k: int = 0
 
+    def __post_init__(self):
+        # hashed once: a problem keys the launchers' recipes, looked up on every call
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in self.__dataclass_fields__)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool = False, scale: float | None = None, *,
            window=None, softcap: float | None = 0.0, alibi: bool = False, dropout_p: float = 0.0) -> "Problem":

@@ -294,6 +294,8 @@ def test_second_stream_only_for_long_backwards():
         return Problem.of(q, q, True, None)
 
     assert not worth_a_second_stream(problem(1, 16, 512, 64))  # a short call: one stream
+    assert not worth_a_second_stream(problem(8, 16, 512, 128))  # the latency section's longest ones too
+    assert not worth_a_second_stream(problem(8, 16, 1024, 64))
     assert worth_a_second_stream(problem(32, 32, 512, 64))  # the grid's shortest setting keeps it
     assert worth_a_second_stream(problem(1, 16, 16384, 128))
     assert 1 * 16 * 512 * 512 * 64 < OVERLAP_MIN_WORK <= 32 * 32 * 512 * 512 * 64
