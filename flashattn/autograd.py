@@ -140,27 +140,30 @@ class AttentionFunction(torch.autograd.Function):
 
 
 def _plain_apply(function):
-    """``function.apply`` without its Python wrapper where that wrapper would do nothing.
+    """``function.apply`` (of :class:`AttentionFunction`'s arguments) without its Python wrapper where
+    that wrapper would do nothing.
 
     ``torch.autograd.Function.apply`` first unwraps leftover functorch wrappers from its arguments
     with a pytree walk, and hands the call to functorch while a transform (vmap, grad, ...) is active;
     with neither, it calls the C++ ``apply`` it inherits. This calls that one directly when no
     transform is active and no input is a functorch wrapper, and the wrapper otherwise: a short call
     feels the microseconds of the walk."""
-    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
     active = getattr(torch._C, "_are_functorch_transforms_active", None)
     base = super(torch.autograd.Function, function).apply
     if wrapped is None or active is None:
         return function.apply
 
-    def apply(q, k, v, *rest):
-        if active() or wrapped(q) or wrapped(k) or wrapped(v):
-            return function.apply(q, k, v, *rest)
-        return base(q, k, v, *rest)
+    def apply(q, k, v, problem, use_kernels, alibi_slopes=None, seed=0):
+        args = (q, k, v, problem, use_kernels, alibi_slopes, seed)
+        if (active() or wrapped(q) or wrapped(k) or wrapped(v)
+                or (alibi_slopes is not None and wrapped(alibi_slopes))):
+            return function.apply(*args)
+        return base(*args)
     return apply
 
 
-attention_apply = _plain_apply(AttentionFunction)  # AttentionFunction.apply for attention's arguments
+attention_apply = _plain_apply(AttentionFunction)  # AttentionFunction.apply, same arguments
 
 
 class VarlenFunction(torch.autograd.Function):
