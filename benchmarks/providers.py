@@ -197,6 +197,13 @@ class Flex(Provider):
 
         if setting.gqa:
             raise Unsupported("the latency section measures plain attention only")
+        import torch._dynamo
+
+        # One shape's graphs at a time, as in prepare: the section calls this once per shape, and
+        # every compile wrapper of flex_attention shares dynamo's cache for its code, so by the
+        # ninth graph (the latency section's D = 128 causal shapes) dynamo hit its recompile limit
+        # and ran flex_attention unfused, milliseconds per call (runs 16 and 17).
+        torch._dynamo.reset()
         _allow_retain_graph()
         block_mask = self._block_mask(setting, device)
         extras = () if block_mask is None else (block_mask,)

@@ -631,6 +631,25 @@ def test_latency_skips_compiling_a_provider_twice_and_says_why():
     assert compile_fn.calls == []
 
 
+def test_flex_latency_compiles_each_shape_with_dynamo_reset_first(monkeypatch):
+    """Every torch.compile wrapper of flex_attention shares dynamo's cache for its code: without a
+    reset per shape, the ninth shape passes dynamo's recompile limit and flex_attention runs unfused
+    (on an H200 this made the D = 128 causal cells milliseconds per call). Each shape's compile must
+    come right after a reset."""
+    import torch._dynamo
+
+    events = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: events.append("reset"))
+
+    def compile_fn(fn, **kw):
+        events.append("compile")
+        return fn
+    shapes = [s for s in tiny_shapes() for _ in range(5)]  # ten shapes, both masks
+    for s in shapes:
+        providers.PROVIDERS["flex"].latency_parts(s, "cpu", compile_fn)
+    assert events == ["reset", "compile"] * len(shapes)
+
+
 def test_latency_budget_skips_with_a_reason():
     class Spent(run.Clock):
         def over(self):
