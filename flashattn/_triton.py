@@ -512,16 +512,21 @@ class Recording:
     def add(self, kernel, direct, grid: tuple, args: tuple) -> None:
         self.steps.append((kernel, direct, grid, args))
 
-    def keep(self, inputs: tuple, outputs: tuple, free: tuple = ()) -> None:
+    def keep(self, inputs: tuple, outputs: tuple, free: tuple = (), shared: tuple = ()) -> None:
         """Remember the call as a recipe: ``inputs`` are the tensors (or None) it was given, in the
         order :func:`replay` will get them, ``outputs`` the tensors it allocated, ``free`` the
         per-call integers, in the kernels' order (the dropout seed's halves). Kept only when every
-        launch went through a direct launch and every argument tensor is one of these."""
+        launch went through a direct launch and every argument tensor is one of these.
+
+        A tensor in two roles binds both slots to the first of them, which is right only for calls
+        that pass one tensor in the same roles: the inputs at positions ``shared`` may be one tensor
+        because the key records which of them are; any other tensor in two roles keeps no recipe."""
         roles = (*inputs, *outputs)
         tensors = [x for x in roles if x is not None]
-        if (not self.complete or any(x.data_ptr() & 15 for x in tensors)
-                or len({id(x) for x in tensors}) < len(tensors)):
-            return  # (one tensor in two roles, e.g. do passed as q, would bind both to one of them)
+        others = [id(x) for i, x in enumerate(roles) if x is not None and i not in shared]
+        if (not self.complete or any(x.data_ptr() & 15 for x in tensors) or len(set(others)) < len(others)
+                or not {id(inputs[i]) for i in shared}.isdisjoint(others)):
+            return
         if len(_RECIPES) > 4096:  # many distinct lengths: start over rather than grow without bound
             _RECIPES.clear()
         steps = []

@@ -444,7 +444,8 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
     overlap = _config.current_tuning().overlap_dq and q.is_cuda and worth_a_second_stream(p)
     key = None if p.varlen or overlap else (
         p, q.device, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(), lse.stride(),
-        dlse is not None and dlse.stride(), alibi_slopes is not None and alibi_slopes.dim())
+        dlse is not None and dlse.stride(), alibi_slopes is not None and alibi_slopes.dim(),
+        (k is q, v is q, v is k))
     inputs, free = (do, q, k, v, o, lse, dlse, alibi_slopes), seed_halves(p, seed)
     replayed = replay(key, inputs, free)
     if replayed is not None:
@@ -524,6 +525,6 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
         run_dkdv(plan_dkdv, record)
         run_dq(plan_dq, record)
         if record is not None:
-            record.keep(inputs, (dq, dk, dv, delta, lse2), free)
+            record.keep(inputs, (dq, dk, dv, delta, lse2), free, shared=(1, 2, 3))  # q, k, v, as in the key
     return dq, dk, dv
 # --8<-- [end:bwd-launch]

@@ -252,10 +252,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem
         o, lse = attention_forward(q.float(), k.float(), v.float(), problem, alibi_slopes, seed, packing)
         return o.to(q.dtype), lse
     p = problem
-    # A call with the key of an earlier one (the problem, device, layouts) repeats that call's launches
+    # A call with the key of an earlier one (the problem, device, layouts, which of q, k, v are one
+    # tensor, as in self-attention of x with itself) repeats that call's launches
     # with its own tensors: no config lookup, descriptor object or argument binding (flashattn._triton.Recipe).
     key = None if p.varlen else (p, q.device, q.stride(), k.stride(), v.stride(),
-                                 alibi_slopes is not None and alibi_slopes.dim())
+                                 alibi_slopes is not None and alibi_slopes.dim(), (k is q, v is q, v is k))
     inputs, free = (q, k, v, alibi_slopes), seed_halves(p, seed)
     replayed = replay(key, inputs, free)
     if replayed is not None:
@@ -293,6 +294,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem
     # autotuning (opt-in) times candidate configs through the same launch
     run(_config.plan("fwd", p, q.device, lambda cfg: run(_config.plan_for("fwd", p, q.device, cfg))), record)
     if record is not None:
-        record.keep(inputs, (o, lse), free)
+        record.keep(inputs, (o, lse), free, shared=(0, 1, 2))  # q, k, v: the key says which are one tensor
     return o, lse
 # --8<-- [end:fwd-launch]

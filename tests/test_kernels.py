@@ -526,6 +526,7 @@ REPLAY_CASES = [
     (2, 2, 2, 40, 40, 64, "bnhd", dict(window=(8, 4)), "fresh"),  # (B, N, H, D) views, a window
     (1, 4, 4, 33, 65, 40, "bhnd", dict(causal=True, softcap=10.0, alibi=True, dropout_p=0.3), "fresh"),
     (1, 2, 2, 48, 48, 32, "bhnd", dict(causal=True), "aliased"),  # q, k and v one tensor
+    (1, 2, 2, 48, 48, 32, "bhnd", dict(causal=True), "fresh after aliased"),  # an aliased call's recipe is not it
     (1, 2, 2, 48, 48, 32, "bhnd", dict(), "misaligned"),  # q starts 2 bytes past a 16-byte boundary
 ]
 
@@ -535,8 +536,8 @@ def test_replayed_launches_are_the_full_paths(monkeypatch, b, h_q, h_kv, n, m, d
     """A launcher call repeated from its recipe (flashattn._triton.Recipe) hands the generated C launcher
     exactly what the full path hands it for the same tensors: every pointer, TMA descriptor, integer,
     float and the call's own dropout seed, for the forward and the backward's three kernels (with a
-    gradient for the LSE). A call whose input is misaligned takes the full path; a call that passes
-    one tensor in two roles replays correctly, and is never kept as a recipe itself.
+    gradient for the LSE). A call whose input is misaligned takes the full path; calls that pass
+    one tensor as q, k and v replay their own recipes, and never lend them to calls of three tensors.
 
     Runs on the CPU: benchmarks.hostcost makes every compiled-kernel launch a call that keeps its
     arguments, so the two paths' launches can be compared one by one."""
@@ -564,15 +565,18 @@ def test_replayed_launches_are_the_full_paths(monkeypatch, b, h_q, h_kv, n, m, d
         o, lse = attention_forward(q, k, v, problem, extra["slopes"], extra["seed"])
         attention_backward(extra["do"], q, k, v, o, lse, problem, extra["dlse"], extra["slopes"], extra["seed"])
 
-    first = make(11)
-    later = make(2**40 + 12345, second)  # another seed in both 31-bit halves
+    first = make(11, "aliased" if second == "fresh after aliased" else "fresh")
+    later = make(2**40 + 12345, second.split()[0])  # another seed in both 31-bit halves
     inputs = (*later[:3], later[3]["do"], later[3]["dlse"], later[3]["slopes"])
-    # a call with one tensor in two roles keeps no recipe
+    # "aliased": a call with q, k and v one tensor (after a fresh first call) records its own recipes,
+    # and the later such call replays them; "fresh after aliased": a call of three tensors finds only
+    # the recipes of an aliased call, whose k and v slots are q's, and takes the full path
     got = hostcost.replayed_and_full(run, first, later, inputs,
                                      before_later=(lambda: run(*make(3, "aliased"))) if second == "aliased" else None)
     assert len(got[True]) == len(got[False]) == 4  # forward, preprocess, dK/dV, dQ
-    assert len(got["kept"]) == 2  # the forward's and the backward's, from the first call only
-    assert got["keys"] == (4 if second == "misaligned" else 0)  # replayed: no cache key, no binding
+    assert len(got["kept"]) == (4 if "aliased" in second else 2)  # the forward's and the backward's, per key
+    full_path = second in ("misaligned", "fresh after aliased")
+    assert got["keys"] == (4 if full_path else 0)  # replayed: no cache key, no binding
     assert got[True] == got[False]
 
 
