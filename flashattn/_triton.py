@@ -479,7 +479,8 @@ class _Step:
                 template.append(a)
         self = object.__new__(cls)
         self.direct, self.c_launch, self.fill = direct, direct.c_launch, direct.fill
-        self.template, self.tensors, self.descriptors, self.free = template, tuple(tensors), tuple(descriptors), tuple(frees)
+        self.template, self.tensors = template, tuple(tensors)
+        self.descriptors, self.free = tuple(descriptors), tuple(frees)
         return self
 
     def __call__(self, stream: int, pointers: list, filled: list, free: tuple) -> None:
@@ -557,7 +558,8 @@ class Recipe:
         for step in steps:
             numbered = []
             for position, role, args in step.descriptors:
-                key = (step.fill, role, repr(args))
+                # (the block, shape and strides are lists, as the fill takes them)
+                key = (step.fill, role, *(tuple(x) if isinstance(x, list) else x for x in args))
                 if key not in index:
                     index[key] = len(fills)
                     fills.append((step.fill, role, args))

@@ -156,6 +156,14 @@ def _check_dropout_source(generator, seed) -> None:
             raise ValueError("pass either a generator or a seed for dropout, not both")
 
 
+def _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p):
+    """Every check of :func:`attention`'s arguments but the dropout seed's source; returns the window
+    as a tuple (or None) and softcap as a float."""
+    _check_inputs(q, k, v, causal, scale)
+    check_flag("return_lse", return_lse)
+    return _check_variants(q, window, softcap, alibi_slopes, dropout_p)
+
+
 _DESCRIBED: dict = {}  # the signature of a call that passed the checks -> its Problem
 
 
@@ -186,9 +194,7 @@ def _described(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes
         signature = problem = None
     if problem is not None:
         return problem
-    _check_inputs(q, k, v, causal, scale)
-    check_flag("return_lse", return_lse)
-    window, softcap = _check_variants(q, window, softcap, alibi_slopes, dropout_p)
+    window, softcap = _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p)
     problem = Problem.of(q, k, causal, scale, window=window, softcap=softcap, alibi=alibi_slopes is not None,
                          dropout_p=float(dropout_p))
     if signature is not None:
@@ -258,9 +264,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     q, k, v = _autocast(q, k, v)
     if torch.compiler.is_compiling():
         # traced once per graph: the full checks, with no cache keyed by (symbolic) shapes
-        _check_inputs(q, k, v, causal, scale)
-        check_flag("return_lse", return_lse)
-        window, softcap = _check_variants(q, window, softcap, alibi_slopes, dropout_p)
+        window, softcap = _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p)
         _check_dropout_source(generator, seed)
         if dropout_p > 0 and seed is None:
             raise ValueError("under torch.compile, dropout needs an explicit seed= (a generator cannot be traced)")

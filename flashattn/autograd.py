@@ -8,6 +8,8 @@ signature: the Triton kernels and the tile-by-tile reference.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from flashattn import _config, reference
@@ -30,30 +32,29 @@ def _reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_
                                      **_variants(problem, alibi_slopes, seed))
 
 
-_LAUNCHERS: list = []  # the modules flashattn._triton, .forward and .backward, imported at the first kernel call
+_KERNEL_MODULES: dict = {}  # name -> flashattn.<name>, for the modules that import triton
 
 
-def _launchers() -> list:
-    # Imported late: importing triton costs time, and a CPU-only user never needs it. Kept here after
-    # the first call: an import statement in a function costs a short call its lookup every time.
-    if not _LAUNCHERS:
-        from flashattn import _triton, backward, forward
-
-        _LAUNCHERS[:] = (_triton, forward, backward)
-    return _LAUNCHERS
+def kernel_module(name: str):
+    """The module ``flashattn.<name>`` (``_triton``, ``forward``, ``backward``, ``decode_kernels``),
+    imported at its first use: importing triton costs time, and a CPU-only user never needs it. Kept
+    here after that, since an import statement in a function costs a short call its lookup every time."""
+    module = _KERNEL_MODULES.get(name)
+    if module is None:
+        module = _KERNEL_MODULES[name] = importlib.import_module(f"flashattn.{name}")
+    return module
 
 
 def _kernel_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, packing=None):
-    triton_, forward, _ = _launchers()
-    with triton_.on_device(q):  # Triton launches on the current device: make it the inputs' device
-        return forward.attention_forward(q, k, v, problem, alibi_slopes, seed, packing)
+    with kernel_module("_triton").on_device(q):  # Triton launches on the current device: make it the inputs'
+        return kernel_module("forward").attention_forward(q, k, v, problem, alibi_slopes, seed, packing)
 
 
 def _kernel_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
                      packing=None):
-    triton_, _, backward = _launchers()
-    with triton_.on_device(q):
-        return backward.attention_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed, packing)
+    with kernel_module("_triton").on_device(q):
+        return kernel_module("backward").attention_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed,
+                                                            packing)
 
 
 def _varlen_reference_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, packing=None):
@@ -139,31 +140,25 @@ class AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def _plain_apply(function):
-    """``function.apply`` (of :class:`AttentionFunction`'s arguments) without its Python wrapper where
-    that wrapper would do nothing.
+_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+_base_apply = super(torch.autograd.Function, AttentionFunction).apply  # the C++ apply it inherits
+
+
+def attention_apply(q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=None, seed: int = 0):
+    """``AttentionFunction.apply`` without its Python wrapper where that wrapper would do nothing.
 
     ``torch.autograd.Function.apply`` first unwraps leftover functorch wrappers from its arguments
     with a pytree walk, and hands the call to functorch while a transform (vmap, grad, ...) is active;
     with neither, it calls the C++ ``apply`` it inherits. This calls that one directly when no
     transform is active and no input is a functorch wrapper, and the wrapper otherwise: a short call
     feels the microseconds of the walk."""
-    wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
-    active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    base = super(torch.autograd.Function, function).apply
-    if wrapped is None or active is None:
-        return function.apply
-
-    def apply(q, k, v, problem, use_kernels, alibi_slopes=None, seed=0):
-        args = (q, k, v, problem, use_kernels, alibi_slopes, seed)
-        if (active() or wrapped(q) or wrapped(k) or wrapped(v)
-                or (alibi_slopes is not None and wrapped(alibi_slopes))):
-            return function.apply(*args)
-        return base(*args)
-    return apply
-
-
-attention_apply = _plain_apply(AttentionFunction)  # AttentionFunction.apply, same arguments
+    args = (q, k, v, problem, use_kernels, alibi_slopes, seed)
+    if (_functorch_wrapped is None or _functorch_active is None or _functorch_active()
+            or _functorch_wrapped(q) or _functorch_wrapped(k) or _functorch_wrapped(v)
+            or (alibi_slopes is not None and _functorch_wrapped(alibi_slopes))):
+        return AttentionFunction.apply(*args)
+    return _base_apply(*args)
 
 
 class VarlenFunction(torch.autograd.Function):

@@ -23,6 +23,7 @@ import torch
 
 from flashattn import ops, reference
 from flashattn.api import check_dtype_for_device, check_flag, check_scale, is_int
+from flashattn.autograd import kernel_module
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
@@ -232,12 +233,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     if p.n_new:
         _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table)
     if ops.use_kernels(q):
-        from flashattn._triton import on_device  # imports triton
-        from flashattn.decode_kernels import decode_forward
-
-        with on_device(q):  # Triton launches on the current device: make it the inputs' device
-            o, lse = decode_forward(q, k_cache, v_cache, seq_lens, p.n_new, block_table, p.causal, p.scale,
-                                    max_keys, num_splits)
+        with kernel_module("_triton").on_device(q):  # Triton launches on the current device: the inputs'
+            o, lse = kernel_module("decode_kernels").decode_forward(
+                q, k_cache, v_cache, seq_lens, p.n_new, block_table, p.causal, p.scale, max_keys, num_splits)
     else:
         # the cache already holds the new keys: attend to the first L_b of them, in float32 or float64
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
