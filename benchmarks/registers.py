@@ -79,9 +79,9 @@ def jobs(extra=(), dropout: bool = False) -> list[tuple]:
                 entry = _config.sm90_entry(kernel, block_d, dropout=dropout)
                 for cfg in dict.fromkeys(_config.resolve(entry, causal, n) for n in (2048, 16384)):
                     out.append((kernel, fn, d, block_d, causal, cfg))
-    for bm, bn, w, s in extra:
+    for bm, bn, w, s, *split in extra:
         for kernel, fn in kernels:
-            out.append((kernel, fn, 128, 128, True, _config.KernelConfig(bm, bn, w, s)))
+            out.append((kernel, fn, 128, 128, True, _config.KernelConfig(bm, bn, w, s, bool(split and split[0]))))
     return out
 
 
@@ -89,7 +89,7 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.registers", description=__doc__.splitlines()[0])
     ap.add_argument("dtype", nargs="?", default="fp16", help="fp16 or bf16 (default %(default)s)")
     ap.add_argument("configs", nargs="*", type=lambda a: tuple(map(int, a.split(","))),
-                    help="BM,BN,WARPS,STAGES configs to try at D = 128, causal")
+                    help="BM,BN,WARPS,STAGES[,SPLIT] configs to try at D = 128, causal")
     ap.add_argument("--dropout", action="store_true", help="compile with dropout on, from the table's dropout tiles")
     return ap.parse_intermixed_args(argv)
 
@@ -99,11 +99,17 @@ def main(argv=None):
     for kernel, fn, d, block_d, causal, cfg in jobs(args.configs, args.dropout):
         consts = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       HAS_WINDOW=False, SOFTCAP=False, ALIBI=False, DROPOUT=args.dropout, VARLEN=False)
-        try:
-            smem, regs, spill, wg = compile_one(fn, args.dtype, consts, cfg.num_warps, cfg.num_stages)
-            print(f"{kernel:9s} D={d:3d} causal={causal!s:5s} {cfg}  smem {smem:6d}  regs {regs:3d}  stack {spill:5d}  wgmma {wg}")
-        except Exception as exc:  # noqa: BLE001
-            print(f"{kernel:9s} D={d:3d} causal={causal!s:5s} {cfg}  FAILED {type(exc).__name__}: {str(exc)[:300]}")
+        parts = ((1, " dV"), (2, " dK")) if cfg.split else ((0, ""),)
+        for part, which in parts if kernel == "bwd_dkdv" else ((None, ""),):
+            if part is not None:
+                consts["PART"] = part
+            try:
+                smem, regs, spill, wg = compile_one(fn, args.dtype, consts, cfg.num_warps, cfg.num_stages)
+                print(f"{kernel + which:9s} D={d:3d} causal={causal!s:5s} {cfg}  smem {smem:6d}  regs {regs:3d}  "
+                      f"stack {spill:5d}  wgmma {wg}")
+            except Exception as exc:  # noqa: BLE001
+                print(f"{kernel + which:9s} D={d:3d} causal={causal!s:5s} {cfg}  FAILED {type(exc).__name__}: "
+                      f"{str(exc)[:300]}")
 
 
 if __name__ == "__main__":

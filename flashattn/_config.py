@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ class KernelConfig:
     block_n: int  # key rows per tile
     num_warps: int
     num_stages: int
+    # dK/dV only: dV and dK in two launches of the kernel, one float32 accumulator each (its PART)
+    split: bool = False
 
     def options(self) -> dict:
         """Triton's launch options (the tile sizes are the kernels' own constexpr arguments)."""
@@ -82,7 +85,9 @@ _SM90 = {
     # the causal dK/dV kernel walks its query blocks in one masked loop: with it the causal tiles
     # match the non-causal ones at D = 128 and 256 (tuning log, "One causal loop in dK/dV")
     ("bwd_dkdv", 128): KernelConfig(64, 128, 8, 3),
-    ("bwd_dkdv", 256): KernelConfig(64, 64, 8, 2),
+    # dV, then dK, in two launches on 128-row key blocks: 13-17% less backward time than one launch of
+    # (64, 64, 8, 2), which computed S^T and dP^T twice (tuning log, "dV and dK in two launches")
+    ("bwd_dkdv", 256): KernelConfig(32, 128, 8, 3, split=True),
     ("bwd_dq", 128): (KernelConfig(128, 64, 8, 4), KernelConfig(128, 64, 8, 3)),
     # one warpgroup on 64 x 32 tiles: 10-17% less time than (128, 64, 8, 1) at N 1k-16k, bf16, both masks
     ("bwd_dq", 256): KernelConfig(64, 32, 4, 3),
@@ -106,10 +111,10 @@ _SM90_DROPOUT = {
     **{("bwd_dq", block_d): KernelConfig(64, 128, 4, 2) for block_d in (16, 32, 64)},
     ("bwd_dkdv", 128): KernelConfig(32, 128, 8, 3),
     # Dropout keeps the causal dK/dV kernel's three loops (one loop took 1.18x as long at D = 128),
-    # and at D = 256 the tiles that went with them: the 32-row causal dK/dV tile ("D = 256 causal
-    # backward") and the two-warpgroup dQ tile; the plain kernels' newer D = 256 tiles were not
-    # measured with dropout (tuning log, "One causal loop in dK/dV").
-    ("bwd_dkdv", 256): (KernelConfig(64, 64, 8, 2), KernelConfig(32, 64, 8, 3)),
+    # and at D = 256 the two-warpgroup dQ tile that went with them (tuning log, "One causal loop in
+    # dK/dV"). Its D = 256 dK/dV also runs in two launches, with two stages: the dK launch's third
+    # stage and dropout's shared memory do not fit together (tuning log, "dV and dK in two launches").
+    ("bwd_dkdv", 256): KernelConfig(32, 128, 8, 2, split=True),
     ("bwd_dq", 256): KernelConfig(128, 64, 8, 1),
 }
 
@@ -265,11 +270,11 @@ def tuning_space(kernel: str, problem: Problem, device: torch.device) -> list[Ke
     base = get_config(kernel, problem, device)
     variants = [base]
     for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4)):
-        variants.append(KernelConfig(base.block_m, base.block_n, warps, stages))
+        variants.append(dataclasses.replace(base, num_warps=warps, num_stages=stages))
     for bm, bn in ((base.block_m, base.block_n * 2), (base.block_m, base.block_n // 2),
                    (base.block_m // 2, base.block_n), (base.block_m * 2, base.block_n)):
         if 16 <= bm and 16 <= bn and bm * bn <= (128 * 64 if problem.block_d >= 256 else 128 * 128):
-            variants.append(KernelConfig(bm, bn, base.num_warps, base.num_stages))
+            variants.append(dataclasses.replace(base, block_m=bm, block_n=bn))
     unique = list(dict.fromkeys(variants))
     return unique[:11]
 
@@ -314,6 +319,13 @@ class Plan:
     constexprs: dict  # in the kernels' parameter order
     options: dict  # Triton's launch options
 
+    @property
+    def passes(self) -> tuple[dict, ...]:
+        """The constexprs of each launch: one, or for a split dK/dV config the dV launch, then dK's."""
+        if not self.config.split:
+            return (self.constexprs,)
+        return ({**self.constexprs, "PART": 1}, {**self.constexprs, "PART": 2})
+
 
 def plan_for(kernel: str, problem: Problem, device: torch.device, cfg: KernelConfig) -> Plan:
     """The :class:`Plan` of ``kernel`` for ``problem`` with the configuration ``cfg``."""
@@ -326,6 +338,8 @@ def plan_for(kernel: str, problem: Problem, device: torch.device, cfg: KernelCon
                       # the variants (flashattn._triton.variant_constexprs), all False for plain attention
                       HAS_WINDOW=problem.window is not None, SOFTCAP=problem.softcap > 0,
                       ALIBI=problem.alibi, DROPOUT=problem.dropout_p > 0, VARLEN=problem.varlen)
+    if kernel == "bwd_dkdv":
+        constexprs["PART"] = 0  # dK and dV in one launch (Plan.passes splits them)
     if problem.varlen:
         # Packed sequences: one program per tile of the packed rows of a head, and one spare per
         # sequence, since sum_i cdiv(n_i, block) <= cdiv(total, block) + n_seqs - 1 is a bound the host

@@ -113,10 +113,11 @@ def _bwd_dkdv_inner(
     win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh, drop_threshold, inv_keep,  #
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
     BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,  #
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, PART: tl.constexpr,
 ):
     """Add the contributions of the query blocks starting in [lo, hi) to this key block's dK, dV.
-    ``offs_n`` holds the block's key indices and ``first_key`` the first of them (the dropout mask's)."""
+    ``offs_n`` holds the block's key indices and ``first_key`` the first of them (the dropout mask's).
+    ``PART`` 1 computes dV alone and 2 dK alone (the kernel's comment says why); 0, both."""
     p_lse2 += lo
     p_delta += lo
     for start_m in range(lo, hi, BLOCK_M):
@@ -135,7 +136,8 @@ def _bwd_dkdv_inner(
         # dP^T = V dO^T, [BLOCK_N, BLOCK_M], does not need P, so it goes to the tensor cores before the
         # exponentials: the compiled loop runs some of them while this product is in flight, and the
         # dV and dK products below then issue back to back (docs/kernels/tuning-log.md, "dP first in the backward loops")
-        dp_t = tl.dot(b_v, tl.trans(b_do))
+        if PART != 1:
+            dp_t = tl.dot(b_v, tl.trans(b_do))
         p_t = tl.exp2(s_t - b_lse2[None, :])  # P = exp(s - lse): the forward's softmax, recomputed
         if MASKED:
             # Rows past N are zeroed explicitly. Defensive: their Q and dO load as zeros (descriptor
@@ -150,25 +152,30 @@ def _bwd_dkdv_inner(
             # the dropped P (its 1 / (1 - p) joins once, at the end), and dS = P * (Z * dP / (1 - p) - delta)
             # with delta = rowsum(dO * O) as without dropout.
             keep_t = tl.trans(dropout_keep(seed_lo, seed_hi, i_bh, rows, first_key, drop_threshold, BLOCK_N))
-            b_dv += tl.dot(tl.where(keep_t, p_t, 0.0).to(b_do.dtype), b_do)
-            ds_t = p_t * (tl.where(keep_t, dp_t * inv_keep, 0.0) - b_delta[None, :])
+            if PART != 2:
+                b_dv += tl.dot(tl.where(keep_t, p_t, 0.0).to(b_do.dtype), b_do)
+            if PART != 1:
+                ds_t = p_t * (tl.where(keep_t, dp_t * inv_keep, 0.0) - b_delta[None, :])
         # --8<-- [end:bwd-dropout]
         else:
-            # --8<-- [start:bwd-dv-accumulate]
-            b_dv += tl.dot(p_t.to(b_do.dtype), b_do)  # dV += P^T dO, [BLOCK_N, BLOCK_D]
-            # --8<-- [end:bwd-dv-accumulate]
-            # --8<-- [start:bwd-ds]
-            ds_t = p_t * (dp_t - b_delta[None, :])  # dS = P * (dP - delta), the softmax backward
-            # --8<-- [end:bwd-ds]
-        # --8<-- [start:softcap-grad]
-        if SOFTCAP:
-            # dS above is the gradient of the capped score cap * tanh(s / cap); the chain rule through
-            # tanh multiplies by 1 - tanh^2, with tanh recomputed above rather than stored.
-            ds_t = ds_t * (1.0 - t_t * t_t)
-        # --8<-- [end:softcap-grad]
-        # --8<-- [start:bwd-dk-accumulate]
-        b_dk += tl.dot(ds_t.to(b_q.dtype), b_q)  # dK += dS^T Q (scale applied once, at the end)
-        # --8<-- [end:bwd-dk-accumulate]
+            if PART != 2:
+                # --8<-- [start:bwd-dv-accumulate]
+                b_dv += tl.dot(p_t.to(b_do.dtype), b_do)  # dV += P^T dO, [BLOCK_N, BLOCK_D]
+                # --8<-- [end:bwd-dv-accumulate]
+            if PART != 1:
+                # --8<-- [start:bwd-ds]
+                ds_t = p_t * (dp_t - b_delta[None, :])  # dS = P * (dP - delta), the softmax backward
+                # --8<-- [end:bwd-ds]
+        if PART != 1:
+            # --8<-- [start:softcap-grad]
+            if SOFTCAP:
+                # dS above is the gradient of the capped score cap * tanh(s / cap); the chain rule through
+                # tanh multiplies by 1 - tanh^2, with tanh recomputed above rather than stored.
+                ds_t = ds_t * (1.0 - t_t * t_t)
+            # --8<-- [end:softcap-grad]
+            # --8<-- [start:bwd-dk-accumulate]
+            b_dk += tl.dot(ds_t.to(b_q.dtype), b_q)  # dK += dS^T Q (scale applied once, at the end)
+            # --8<-- [end:bwd-dk-accumulate]
         p_lse2 += BLOCK_M
         p_delta += BLOCK_M
     return b_dk, b_dv
@@ -187,7 +194,7 @@ def _bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, PART: tl.constexpr,
 ):
     # key block, batch * key/value head; causal: the first key block is seen by the most rows
     i_n, i_bh = program_tile(N_BLOCKS, HEADS_PER_GROUP, False)
@@ -213,8 +220,17 @@ def _bwd_dkdv_kernel(
     mask_n = offs_n < N_CTX_K
     mask_d = offs_d < HEAD_DIM
 
+    # PART: 0 computes dK and dV in one launch. At D = 256 the two float32 accumulators of a 64-row
+    # key block take 128 registers a thread across two warpgroups, and 64 rows are one warpgroup's
+    # product height: Triton gives a product that feeds another product all its warps along the rows
+    # (flash attention's usual layout), so both warpgroups then compute the same S^T and dP^T. Two
+    # launches, PART 1 for dV alone and PART 2 for dK alone, hold one accumulator each, which leaves
+    # room for 128 key rows: no product is computed twice within a program, at the price of S^T
+    # recomputed in the second launch (docs/kernels/tuning-log.md, "dV and dK in two launches").
     b_k = k_desc.load([i_b, i_hkv, k_row, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
-    b_v = v_desc.load([i_b, i_hkv, k_row, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+    b_v = b_k  # never read by PART 1, which needs no dP
+    if PART != 1:
+        b_v = v_desc.load([i_b, i_hkv, k_row, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -256,18 +272,21 @@ def _bwd_dkdv_kernel(
                                      offs_m, offs_n, start_n, lo, hi if ONE_LOOP else full_start, N_CTX_Q, N_CTX_K,
                                      qk_scale, win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bhq,
                                      drop_threshold, inv_keep,
-                                     True, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
+                                     True, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT,
+                                     PART)
         if not ONE_LOOP:
             b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
                                          offs_m, offs_n, start_n, full_start, full_end, N_CTX_Q, N_CTX_K, qk_scale,
                                          win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bhq,
                                          drop_threshold, inv_keep,
-                                         False, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
+                                         False, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT,
+                                         PART)
             b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
                                          offs_m, offs_n, start_n, full_end, hi, N_CTX_Q, N_CTX_K, qk_scale,
                                          win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bhq,
                                          drop_threshold, inv_keep,
-                                         True, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
+                                         True, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT,
+                                         PART)
 
     b_dk *= scale  # S = scale * Q K^T, so dK = scale * dS^T Q
     if DROPOUT:
@@ -278,8 +297,10 @@ def _bwd_dkdv_kernel(
     p_dv = DV + i_b.to(tl.int64) * stride_dvb + i_hkv.to(tl.int64) * stride_dvh + k_row.to(tl.int64) * stride_dvn \
         + rows * stride_dvn + offs_d[None, :]
     mask_out = mask_n[:, None] & mask_d[None, :]  # mask_n: keys of this sequence only
-    tl.store(p_dk, b_dk.to(DK.dtype.element_ty), mask=mask_out)
-    tl.store(p_dv, b_dv.to(DV.dtype.element_ty), mask=mask_out)
+    if PART != 1:
+        tl.store(p_dk, b_dk.to(DK.dtype.element_ty), mask=mask_out)
+    if PART != 2:
+        tl.store(p_dv, b_dv.to(DV.dtype.element_ty), mask=mask_out)
 # --8<-- [end:bwd-dkdv-kernel]
 
 
@@ -491,7 +512,8 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
                 dv_view.stride(0), dv_view.stride(1), dv_view.stride(2),
                 p.heads_q, p.heads_kv, p.group, n_q, n_k, p.qk_scale, p.scale, plan.n_blocks, plan.heads_per_group,
                 cu_q, cu_k, offsets, p.batch, *variant_args(p, alibi_slopes, seed, delta))
-        launch(_bwd_dkdv_kernel, plan.grid, args, plan.constexprs, plan.options, record)
+        for constexprs in plan.passes:  # one launch, or dV's then dK's (KernelConfig.split)
+            launch(_bwd_dkdv_kernel, plan.grid, args, constexprs, plan.options, record)
 
     def run_dq(plan: _config.Plan, record=None):
         cfg = plan.config

@@ -343,12 +343,13 @@ def test_hopper_table_picks_the_forward_tile_by_variant(monkeypatch):
         == _config.KernelConfig(32, 128, 8, 3)
     # the causal dK/dV kernel's single loop takes the non-causal tiles from D = 128 up
     assert get("bwd_dkdv", 128) == get("bwd_dkdv", 128, causal=True) == _config.KernelConfig(64, 128, 8, 3)
-    assert get("bwd_dkdv", 256) == get("bwd_dkdv", 256, causal=True) == _config.KernelConfig(64, 64, 8, 2)
+    # D = 256: dV and dK in two launches on 128-row key blocks
+    assert get("bwd_dkdv", 256) == get("bwd_dkdv", 256, causal=True) == _config.KernelConfig(32, 128, 8, 3, True)
     assert get("bwd_dkdv", 64, causal=True) == _config.KernelConfig(32, 64, 4, 3)
     assert get("bwd_dq", 256) == get("bwd_dq", 256, causal=True) == _config.KernelConfig(64, 32, 4, 3)
-    # dropout keeps the three-loop causal dK/dV kernel and the D = 256 tiles that went with it
-    assert get("bwd_dkdv", 256, causal=True, dropout_p=0.1) == _config.KernelConfig(32, 64, 8, 3)
-    assert get("bwd_dkdv", 256, dropout_p=0.1) == _config.KernelConfig(64, 64, 8, 2)
+    # dropout: two stages in the two launches at D = 256, and its own dQ tile
+    assert get("bwd_dkdv", 256, causal=True, dropout_p=0.1) == get("bwd_dkdv", 256, dropout_p=0.1) \
+        == _config.KernelConfig(32, 128, 8, 2, True)
     assert get("bwd_dq", 256, dropout_p=0.1) == _config.KernelConfig(128, 64, 8, 1)
     assert get("bwd_dq", 128, dropout_p=0.1) == get("bwd_dq", 128)
     assert get("bwd_dq", 64, dropout_p=0.1) == _config.KernelConfig(64, 128, 4, 2) != get("bwd_dq", 64)
@@ -368,6 +369,7 @@ def test_every_table_entry_resolves_to_a_launchable_config():
                     assert isinstance(cfg, _config.KernelConfig), (kernel, block_d, causal, n)
                     for size in (cfg.block_m, cfg.block_n):
                         assert size >= 16 and size & (size - 1) == 0
+                    assert not cfg.split or kernel == "bwd_dkdv", (kernel, block_d)  # only dK/dV has parts
                     assert cfg.num_warps in (4, 8) and 1 <= cfg.num_stages <= 4
     by_length = _config.ByLength(2048, _config.KernelConfig(64, 64, 4, 3), _config.KernelConfig(64, 128, 4, 3))
     assert by_length.pick(2048).block_n == 64 and by_length.pick(2049).block_n == 128
@@ -417,6 +419,72 @@ def test_gpu_matches_float64(case, dtype, record_property):
     _empty_rows_are_zero(causal, n, m, o, lse, dq)
     for name, err in errors.items():
         record_property(f"rel_err_{name}", err)
+
+
+SPLIT_CASES = [  # (B, Hq, Hkv, N, M, D), options, layout
+    ((2, 4, 2, 37, 53, 40), dict(causal=True), "bnhd"),  # GQA, ragged, N < M, D not a power of two
+    ((1, 2, 2, 45, 29, 16), dict(causal=True, window=(9, 2), softcap=5.0), "bhnd"),  # empty rows (N > M)
+    ((2, 2, 1, 33, 41, 24), dict(alibi=True), "bhnd"),
+    ((1, 2, 2, 40, 40, 32), dict(causal=True, dropout_p=0.25, seed=9), "bnhd"),
+    (None, dict(causal=True), "varlen"),  # packed sequences of lengths (q, k): (17, 30), (0, 5), (40, 40)
+]
+if HAS_CUDA:  # the two tiles of the GPU table's D = 256 entry, and a D = 64 tile, on the same inputs
+    SPLIT_CASES = [((1, 4, 2, 300, 517, 256), dict(causal=True), "bnhd"), ((2, 4, 4, 333, 333, 64), {}, "bhnd"),
+                   ((1, 2, 2, 400, 257, 256), dict(window=(100, 0), softcap=30.0), "bhnd"),
+                   ((1, 2, 2, 256, 256, 256), dict(causal=True, dropout_p=0.1, seed=4), "bhnd")]
+
+
+@gpu  # and interpreted on the CPU
+@pytest.mark.parametrize("shape, options, layout", SPLIT_CASES, ids=lambda c: str(c))
+def test_dkdv_in_two_launches_is_bitwise_one_launch(shape, options, layout):
+    """A dK/dV config with ``split`` (dV in one launch, dK in a second, :attr:`_config.Plan.passes`)
+    gives the same bits as one launch with the same tiles: each accumulator is the same sum either
+    way. Only dK and dV change with the config; dQ is compared too, as a control on the inputs."""
+    from flashattn import _config
+
+    dtype = torch.float16  # on the CPU, half-precision tensors are what runs the kernels (interpreted)
+    options = dict(options)
+    if layout == "varlen":
+        lens_q, lens_k = (17, 0, 40), (30, 5, 40)
+        gen = torch.Generator(device=DEVICE).manual_seed(3)
+        q, k, v, do = (torch.randn(sum(lens), h, 32, dtype=dtype, device=DEVICE, generator=gen)
+                       for lens, h in ((lens_q, 4), (lens_k, 2), (lens_k, 2), (lens_q, 4)))
+        cu = [torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+              for lens in (lens_q, lens_k)]
+        call = lambda q, k, v: flashattn.attention_varlen(q, k, v, *cu, max(lens_q), max(lens_k), **options)  # noqa: E731
+    else:
+        q, k, v, do = _inputs(*shape, dtype, layout=layout, std=2.0, seed=21)
+        if options.pop("alibi", False):
+            options["alibi_slopes"] = torch.tensor([0.5, 0.125], device=DEVICE)
+        call = lambda q, k, v: flashattn.attention(q, k, v, **options)  # noqa: E731
+    d = q.shape[-1]
+    if not HAS_CUDA:
+        tile = _config.KernelConfig(16, 32, 4, 1)
+    elif d == 256:
+        tile = _config.KernelConfig(32, 128, 8, 2)  # 2 stages: one launch of both needs the shared memory
+    else:
+        tile = _config.KernelConfig(64, 64, 4, 3)
+    grads = []
+    for config in (tile, _config.KernelConfig(tile.block_m, tile.block_n, tile.num_warps, tile.num_stages, True)):
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        with torch.autograd.set_multithreading_enabled(False), _config.tuning(bwd_dkdv=config):
+            grads.append(torch.autograd.grad(call(qg, kg, vg), (qg, kg, vg), do))
+    for name, one, two in zip(("dq", "dk", "dv"), *grads):
+        assert torch.isfinite(two).all(), name
+        assert torch.equal(one, two), name
+
+
+def test_a_split_plan_launches_dv_then_dk():
+    """``Plan.passes``: one launch with PART 0, or PART 1 (dV) then PART 2 (dK) for a split config."""
+    from flashattn import _config
+
+    problem = Problem(1, 2, 2, 64, 64, 32, torch.float16, True, 0.2)
+    cpu = torch.device("cpu")
+    one = _config.plan_for("bwd_dkdv", problem, cpu, _config.KernelConfig(16, 32, 4, 1))
+    two = _config.plan_for("bwd_dkdv", problem, cpu, _config.KernelConfig(16, 32, 4, 1, True))
+    assert [c["PART"] for c in one.passes] == [0] and [c["PART"] for c in two.passes] == [1, 2]
+    assert all(list(c)[-1] == "PART" and {**c, "PART": 0} == one.constexprs for c in two.passes)
+    assert "PART" not in _config.plan_for("bwd_dq", problem, cpu, _config.KernelConfig(16, 32, 4, 1)).constexprs
 
 
 @gpu
