@@ -220,6 +220,7 @@ def _bwd_dkdv_kernel(
     mask_n = offs_n < N_CTX_K
     mask_d = offs_d < HEAD_DIM
 
+    # --8<-- [start:bwd-dkdv-parts]
     # PART: 0 computes dK and dV in one launch. At D = 256 the two float32 accumulators of a 64-row
     # key block take 128 registers a thread across two warpgroups, and 64 rows are one warpgroup's
     # product height: Triton gives a product that feeds another product all its warps along the rows
@@ -231,6 +232,7 @@ def _bwd_dkdv_kernel(
     b_v = b_k  # never read by PART 1, which needs no dP
     if PART != 1:
         b_v = v_desc.load([i_b, i_hkv, k_row, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+    # --8<-- [end:bwd-dkdv-parts]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
