@@ -29,10 +29,11 @@ minutes compiling); dynamo's guards on symbolic shapes are then part of the meas
 they are for a model compiled over varying lengths. Compile time is never timed: the first calls of
 each shape run before the clock starts. A compile or call that fails is recorded with its message.
 
-Order: mode, then, in the eager modes, shape, then provider: the providers compared at one shape
-are measured back to back, so a host whose speed drifts during the section moves them together. In
-the compiled modes: provider, then shape; dynamo's caches are reset before each provider, so every
-compiled call is timed with only its own graphs installed.
+Order: mode, then, in the eager modes, shape, then provider: at one shape every provider's calls are
+set up, run once and calibrated, and then the timed loops take turns, one loop of each provider in
+each of the ``repeats`` rounds, so a host whose speed drifts during the section moves the figures
+compared at a shape together. In the compiled modes: provider, then shape; dynamo's caches are reset
+before each provider, so every compiled call is timed with only its own graphs installed.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class WallClock:
         n = math.ceil(self.target_ms * 1e-3 / max(seconds_per_call, 1e-9))
         return max(MIN_CALLS, min(MAX_CALLS, n))
 
-    def __call__(self, call, sync) -> dict:
+    def calibrate(self, call, sync) -> int:
+        """Warm up, then the number of calls in one timed loop (from three timed calls)."""
         for _ in range(self.warmup_calls):
             call()
         sync()
@@ -106,20 +108,27 @@ class WallClock:
         for _ in range(3):
             call()
         sync()
-        n = self.calls_for((self.clock() - t0) / 3)
-        walls, hosts = [], []
-        for _ in range(self.repeats):
-            sync()
-            t0 = self.clock()
-            for _ in range(n):
-                call()
-            t_host = self.clock()
-            sync()
-            t1 = self.clock()
-            walls.append((t1 - t0) / n * 1e6)
-            hosts.append((t_host - t0) / n * 1e6)
+        return self.calls_for((self.clock() - t0) / 3)
+
+    def sample(self, call, sync, n: int) -> tuple[float, float]:
+        """One timed loop of ``n`` calls: (wall, host) µs per call."""
+        sync()
+        t0 = self.clock()
+        for _ in range(n):
+            call()
+        t_host = self.clock()
+        sync()
+        t1 = self.clock()
+        return (t1 - t0) / n * 1e6, (t_host - t0) / n * 1e6
+
+    def summary(self, n: int, samples: list[tuple[float, float]]) -> dict:
+        walls, hosts = [w for w, _ in samples], [h for _, h in samples]
         return {"us_per_call": statistics.median(walls), "host_us_per_call": statistics.median(hosts),
-                "calls": n, "repeats": self.repeats, "samples_us": walls}
+                "calls": n, "repeats": len(samples), "samples_us": walls}
+
+    def __call__(self, call, sync) -> dict:
+        n = self.calibrate(call, sync)
+        return self.summary(n, [self.sample(call, sync, n) for _ in range(self.repeats)])
 
 
 def _record(setting, provider, mode, p, **fields) -> dict:
@@ -174,23 +183,91 @@ def run_latency(shapes, providers, *, device, modes=MODES, passes=PASSES, measur
     for mode in modes:
         lines = {provider.name: [] for provider in providers}
         if mode in EAGER_MODES:
-            # every provider at one shape, then the next shape: the figures compared at a shape are
-            # taken seconds apart, not minutes, so a host that drifts moves them together
-            order = [(provider, index, setting) for index, setting in enumerate(shapes) for provider in providers]
+            # every provider at one shape, then the next shape, and at a shape the providers' timed
+            # loops take turns: a host whose speed drifts moves the figures compared at a shape together
+            for index, setting in enumerate(shapes):
+                recs = _measure_shape_interleaved(setting, providers, mode, passes, device=device, timer=measure_fn,
+                                                  compile_fn=compile_fn, sync=sync, clock=clock, seed=index)
+                records += recs
+                for r in recs:
+                    lines[r["provider"]].append(f"{r['us_per_call']:.0f}" if r["status"] == "ok" else r["status"])
         else:  # compiled: one provider's graphs at a time (dynamo's caches are reset between providers)
-            order = [(provider, index, setting) for provider in providers for index, setting in enumerate(shapes)]
-        last = None
-        for provider, index, setting in order:
-            if mode not in EAGER_MODES and provider is not last:
+            for provider in providers:
                 reset()
-            last = provider
-            recs = _measure_shape(setting, provider, mode, passes, device=device, measure_fn=measure_fn,
-                                  compile_fn=compile_fn, sync=sync, clock=clock, seed=index)
-            records += recs
-            lines[provider.name] += [f"{r['us_per_call']:.0f}" if r["status"] == "ok" else r["status"] for r in recs]
+                for index, setting in enumerate(shapes):
+                    recs = _measure_shape(setting, provider, mode, passes, device=device, measure_fn=measure_fn,
+                                          compile_fn=compile_fn, sync=sync, clock=clock, seed=index)
+                    records += recs
+                    lines[provider.name] += [f"{r['us_per_call']:.0f}" if r["status"] == "ok" else r["status"]
+                                             for r in recs]
         for name, line in lines.items():
             log(f"[latency {mode}] {name}: " + " ".join(line) + " µs")
     return records
+
+
+def _measure_shape_interleaved(setting, providers, mode, passes, *, device, timer, compile_fn, sync, clock, seed):
+    """The eager modes at one shape: each provider's calls are set up, run once and calibrated, then
+    the timed loops go round the providers ``timer.repeats`` times (pass by pass), so every provider's
+    samples are spread over the same stretch of time. Records come out in provider order."""
+    if clock is not None and clock.over():
+        reason = f"time budget of {clock.budget_s:.0f} s spent before this measurement"
+        return [_record(setting, provider, mode, p, status="skipped", error=reason)
+                for provider in providers for p in passes]
+    out = {}  # (provider index, pass) -> record
+    ready = []  # (provider index, pass, call, context factory, first call's seconds, calls per loop)
+    one_thread = mode == "eager-one-thread"
+
+    def entered(parts):
+        # the provider's backend context, and for eager-one-thread the engine's threads off;
+        # set_multithreading_enabled switches on construction: built inside the with, restored on its exit
+        stack = contextlib.ExitStack()
+        if parts.context is not None:
+            stack.enter_context(parts.context())
+        if one_thread:
+            stack.enter_context(torch.autograd.set_multithreading_enabled(False))
+        return stack
+
+    for i, provider in enumerate(providers):
+        q, k, v, do = measure.make_inputs(setting, device, seed=seed)
+        try:
+            parts = provider.latency_parts(setting, device, compile_fn)
+        except Exception as exc:  # noqa: BLE001 -- a provider that cannot even be set up is a result
+            status, message = measure.classify_error(exc)
+            for p in passes:
+                out[i, p] = _record(setting, provider, mode, p, status=status, error=message)
+            continue
+        for p in passes:
+            call = _step(parts.eager, q, k, v, do, parts.extras, p, mode)
+            with warnings.catch_warnings(record=True) as caught, entered(parts):
+                warnings.simplefilter("always")
+                try:
+                    t0 = time.monotonic()
+                    call()  # the first call (a compile, for a provider compiled already): never timed
+                    sync()
+                    first_s = time.monotonic() - t0
+                    n = timer.calibrate(call, sync)
+                    ready.append((i, p, call, parts, first_s, n))
+                except Exception as exc:  # noqa: BLE001
+                    status, message = measure.classify_error(exc, caught)
+                    out[i, p] = _record(setting, provider, mode, p, status=status, error=message)
+    samples = {(i, p): [] for i, p, *_ in ready}
+    for p in passes:
+        for _ in range(timer.repeats):
+            for i, p_, call, parts, _first, n in ready:
+                if p_ != p or (i, p) in out:
+                    continue
+                with warnings.catch_warnings(record=True) as caught, entered(parts):
+                    warnings.simplefilter("always")
+                    try:
+                        samples[i, p].append(timer.sample(call, sync, n))
+                    except Exception as exc:  # noqa: BLE001
+                        status, message = measure.classify_error(exc, caught)
+                        out[i, p] = _record(setting, providers[i], mode, p, status=status, error=message)
+    for i, p, _call, parts, first_s, n in ready:
+        if (i, p) not in out:
+            out[i, p] = _record(setting, providers[i], mode, p, status="ok", first_call_s=first_s,
+                                note=parts.note or None, **timer.summary(n, samples[i, p]))
+    return [out[i, p] for i in range(len(providers)) for p in passes if (i, p) in out]
 
 
 def _measure_shape(setting, provider, mode, passes, *, device, measure_fn, compile_fn, sync, clock, seed):

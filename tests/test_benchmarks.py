@@ -577,11 +577,42 @@ class ContextCounter(providers.Provider):
                                       context=context)
 
 
-def test_latency_enters_a_backend_context_once_per_shape_not_per_call():
+def test_latency_enters_a_backend_context_once_per_timed_loop_not_per_call():
     prov = ContextCounter()
     recs = run_tiny_latency([prov], RecordingCompile(), modes=("eager",))
     assert all(r["status"] == "ok" and r["calls"] >= latency.MIN_CALLS for r in recs)
-    assert prov.entered == len(tiny_shapes())
+    # per shape and pass: the first call with the calibration, then each of the repeats' loops (1 here)
+    assert prov.entered == len(tiny_shapes()) * len(latency.PASSES) * 2
+
+
+class LoopLog:
+    """A WallClock whose timed loops also log which call they ran."""
+
+    def __init__(self, inner):
+        self.inner, self.repeats, self.log = inner, inner.repeats, []
+
+    def calibrate(self, call, sync):
+        return self.inner.calibrate(call, sync)
+
+    def sample(self, call, sync, n):
+        self.log.append(call)
+        return self.inner.sample(call, sync, n)
+
+    def summary(self, n, samples):
+        return self.inner.summary(n, samples)
+
+
+def test_latency_eager_loops_take_turns_between_providers():
+    """At one shape and pass, the providers' timed loops alternate round by round (A B A B A B, not
+    A A A B B B), so a drifting host moves the figures compared at a shape together."""
+    timer = LoopLog(latency.WallClock(target_ms=0.2, repeats=3, warmup_calls=1))
+    provs = [providers.PROVIDERS["reference"], ContextCounter()]
+    recs = latency.run_latency(tiny_shapes()[:1], provs, device="cpu", modes=("eager",), passes=("fwd",),
+                               measure_fn=timer, compile_fn=RecordingCompile(), reset=lambda: None,
+                               log=lambda s: None)
+    assert [r["provider"] for r in recs] == ["reference", "reference"] and all(r["repeats"] == 3 for r in recs)
+    first, second = timer.log[0], timer.log[1]
+    assert first is not second and timer.log == [first, second] * 3
 
 
 class ThreadSwitchSpy(providers.Provider):
