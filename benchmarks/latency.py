@@ -62,8 +62,8 @@ WARMUP_CALLS = 5  # compile, autotune, CUDA-graph warm-up and recording happen h
 MIN_CALLS, MAX_CALLS = 10, 5000
 
 TIMER_HOW = ("wall clock (time.perf_counter) over n back-to-back calls between two torch.cuda.synchronize(); "
-             "per call = elapsed / n, median of the repeats; host = clock when the last call returned; "
-             "no L2 flush")
+             "per call = elapsed / n, median of the repeats (in the eager modes the providers' loops at a shape "
+             "take turns, round by round); host = clock when the last call returned; no L2 flush")
 FWD_HOW = "fn(q, k, v) with q, k, v requiring grad (a training forward)"
 FWD_BWD_HOW = "torch.autograd.grad(fn(q, k, v), (q, k, v), do): forward and whole backward, no accumulation"
 EAGER_MODES = ("eager", "eager-one-thread")
