@@ -85,7 +85,7 @@ _SM90 = {
     # the causal dK/dV kernel walks its query blocks in one masked loop: with it the causal tiles
     # match the non-causal ones at D = 128 and 256 (tuning log, "One causal loop in dK/dV")
     ("bwd_dkdv", 128): KernelConfig(64, 128, 8, 3),
-    # dV, then dK, in two launches on 128-row key blocks: 13-17% less backward time than one launch of
+    # dV, then dK, in two launches on 128-row key blocks: 9-15% less backward time than one launch of
     # (64, 64, 8, 2), which computed S^T and dP^T twice (tuning log, "dV and dK in two launches")
     ("bwd_dkdv", 256): KernelConfig(32, 128, 8, 3, split=True),
     ("bwd_dq", 128): (KernelConfig(128, 64, 8, 4), KernelConfig(128, 64, 8, 3)),
