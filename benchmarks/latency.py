@@ -168,8 +168,9 @@ def run_latency(shapes, providers, *, device, modes=MODES, passes=PASSES, measur
                 sync=None, reset=None, clock=None, log=print) -> list[dict]:
     """Every provider at every shape, in every mode and pass; one record each (see the module doc).
 
-    ``measure_fn(call, sync)``, ``compile_fn`` (``torch.compile``), ``sync`` and ``reset`` (dynamo's)
-    are injected so the loop runs, and is tested, on a CPU.
+    ``measure_fn`` (a :class:`WallClock`, or anything with its ``calibrate``, ``sample``, ``summary``
+    and ``repeats``), ``compile_fn`` (``torch.compile``), ``sync`` and ``reset`` (dynamo's) are
+    injected so the loop runs, and is tested, on a CPU.
     """
     measure_fn = measure_fn or WallClock()
     compile_fn = compile_fn or torch.compile
@@ -185,36 +186,33 @@ def run_latency(shapes, providers, *, device, modes=MODES, passes=PASSES, measur
         if mode in EAGER_MODES:
             # every provider at one shape, then the next shape, and at a shape the providers' timed
             # loops take turns: a host whose speed drifts moves the figures compared at a shape together
-            for index, setting in enumerate(shapes):
-                recs = _measure_shape_interleaved(setting, providers, mode, passes, device=device, timer=measure_fn,
-                                                  compile_fn=compile_fn, sync=sync, clock=clock, seed=index)
-                records += recs
-                for r in recs:
-                    lines[r["provider"]].append(f"{r['us_per_call']:.0f}" if r["status"] == "ok" else r["status"])
+            groups = [(providers, index, setting) for index, setting in enumerate(shapes)]
         else:  # compiled: one provider's graphs at a time (dynamo's caches are reset between providers)
-            for provider in providers:
+            groups = [([provider], index, setting) for provider in providers for index, setting in enumerate(shapes)]
+        for group, index, setting in groups:
+            if mode not in EAGER_MODES and index == 0:
                 reset()
-                for index, setting in enumerate(shapes):
-                    recs = _measure_shape(setting, provider, mode, passes, device=device, measure_fn=measure_fn,
-                                          compile_fn=compile_fn, sync=sync, clock=clock, seed=index)
-                    records += recs
-                    lines[provider.name] += [f"{r['us_per_call']:.0f}" if r["status"] == "ok" else r["status"]
-                                             for r in recs]
+            recs = _measure_shape(setting, group, mode, passes, device=device, timer=measure_fn,
+                                  compile_fn=compile_fn, sync=sync, clock=clock, seed=index)
+            records += recs
+            for r in recs:
+                lines[r["provider"]].append(f"{r['us_per_call']:.0f}" if r["status"] == "ok" else r["status"])
         for name, line in lines.items():
             log(f"[latency {mode}] {name}: " + " ".join(line) + " µs")
     return records
 
 
-def _measure_shape_interleaved(setting, providers, mode, passes, *, device, timer, compile_fn, sync, clock, seed):
-    """The eager modes at one shape: each provider's calls are set up, run once and calibrated, then
-    the timed loops go round the providers ``timer.repeats`` times (pass by pass), so every provider's
-    samples are spread over the same stretch of time. Records come out in provider order."""
+def _measure_shape(setting, providers, mode, passes, *, device, timer, compile_fn, sync, clock, seed):
+    """The providers at one shape in one mode: each provider's calls are set up (compiled, in the
+    compiled modes), run once and calibrated, then the timed loops go round the providers
+    ``timer.repeats`` times (pass by pass), so every provider's samples are spread over the same
+    stretch of time. Records come out in provider order."""
     if clock is not None and clock.over():
         reason = f"time budget of {clock.budget_s:.0f} s spent before this measurement"
         return [_record(setting, provider, mode, p, status="skipped", error=reason)
                 for provider in providers for p in passes]
     out = {}  # (provider index, pass) -> record
-    ready = []  # (provider index, pass, call, context factory, first call's seconds, calls per loop)
+    ready = []  # (provider index, pass, call, parts, first call's seconds, calls per loop)
     one_thread = mode == "eager-one-thread"
 
     def entered(parts):
@@ -231,23 +229,29 @@ def _measure_shape_interleaved(setting, providers, mode, passes, *, device, time
         q, k, v, do = measure.make_inputs(setting, device, seed=seed)
         try:
             parts = provider.latency_parts(setting, device, compile_fn)
+            if mode not in EAGER_MODES and not parts.compiled_modes:
+                for p in passes:
+                    out[i, p] = _record(setting, provider, mode, p, status="skipped",
+                                        error=f"not compiled again: {parts.note}")
+                continue
+            fn = _compiled(parts, mode, compile_fn)
         except Exception as exc:  # noqa: BLE001 -- a provider that cannot even be set up is a result
             status, message = measure.classify_error(exc)
             for p in passes:
                 out[i, p] = _record(setting, provider, mode, p, status=status, error=message)
             continue
         for p in passes:
-            call = _step(parts.eager, q, k, v, do, parts.extras, p, mode)
+            call = _step(fn, q, k, v, do, parts.extras, p, mode)
             with warnings.catch_warnings(record=True) as caught, entered(parts):
                 warnings.simplefilter("always")
                 try:
                     t0 = time.monotonic()
-                    call()  # the first call (a compile, for a provider compiled already): never timed
+                    call()  # the first call compiles, where anything does: timed apart, never per call
                     sync()
                     first_s = time.monotonic() - t0
                     n = timer.calibrate(call, sync)
                     ready.append((i, p, call, parts, first_s, n))
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001 -- e.g. a compile that fails at run time
                     status, message = measure.classify_error(exc, caught)
                     out[i, p] = _record(setting, provider, mode, p, status=status, error=message)
     samples = {(i, p): [] for i, p, *_ in ready}
@@ -268,43 +272,6 @@ def _measure_shape_interleaved(setting, providers, mode, passes, *, device, time
             out[i, p] = _record(setting, providers[i], mode, p, status="ok", first_call_s=first_s,
                                 note=parts.note or None, **timer.summary(n, samples[i, p]))
     return [out[i, p] for i in range(len(providers)) for p in passes if (i, p) in out]
-
-
-def _measure_shape(setting, provider, mode, passes, *, device, measure_fn, compile_fn, sync, clock, seed):
-    if clock is not None and clock.over():
-        reason = f"time budget of {clock.budget_s:.0f} s spent before this measurement"
-        return [_record(setting, provider, mode, p, status="skipped", error=reason) for p in passes]
-    q, k, v, do = measure.make_inputs(setting, device, seed=seed)
-    try:
-        parts = provider.latency_parts(setting, device, compile_fn)
-        if mode not in EAGER_MODES and not parts.compiled_modes:
-            return [_record(setting, provider, mode, p, status="skipped",
-                            error=f"not compiled again: {parts.note}") for p in passes]
-        fn = _compiled(parts, mode, compile_fn)
-    except Exception as exc:  # noqa: BLE001 -- a provider that cannot even be set up is a result
-        status, message = measure.classify_error(exc)
-        return [_record(setting, provider, mode, p, status=status, error=message) for p in passes]
-    out = []
-    context = parts.context() if parts.context is not None else contextlib.nullcontext()
-    # set_multithreading_enabled switches on construction: built inside the with, restored on its exit
-    with context, (torch.autograd.set_multithreading_enabled(False) if mode == "eager-one-thread"
-                   else contextlib.nullcontext()):
-        for p in passes:
-            call = _step(fn, q, k, v, do, parts.extras, p, mode)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                try:
-                    t0 = time.monotonic()
-                    call()  # the first call compiles: timed apart, never in the per-call figure
-                    sync()
-                    first_s = time.monotonic() - t0
-                    result = measure_fn(call, sync)
-                    out.append(_record(setting, provider, mode, p, status="ok", first_call_s=first_s,
-                                       note=parts.note or None, **result))
-                except Exception as exc:  # noqa: BLE001 -- e.g. a compile that fails at run time
-                    status, message = measure.classify_error(exc, caught)
-                    out.append(_record(setting, provider, mode, p, status=status, error=message))
-    return out
 
 
 def section(shapes, providers, records, measure_fn, *, elapsed_s=None, environment=None, argv=None) -> dict:

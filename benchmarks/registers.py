@@ -18,11 +18,13 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from flashattn import _config, backward, forward
+from flashattn.problem import Problem
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -97,12 +99,12 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     for kernel, fn, d, block_d, causal, cfg in jobs(args.configs, args.dropout):
-        consts = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      HAS_WINDOW=False, SOFTCAP=False, ALIBI=False, DROPOUT=args.dropout, VARLEN=False)
-        parts = ((1, " dV"), (2, " dK")) if cfg.split else ((0, ""),)
-        for part, which in parts if kernel == "bwd_dkdv" else ((None, ""),):
-            if part is not None:
-                consts["PART"] = part
+        # the launchers' own constexprs (one set per launch: a split dK/dV config has two)
+        problem = Problem(1, 8, 8, 2048, 2048, d, torch.float16, causal, d ** -0.5,
+                          dropout_p=0.1 if args.dropout else 0.0)
+        passes = _config.plan_for(kernel, problem, torch.device("cpu"), cfg).passes
+        for consts in passes:
+            which = {None: "", 0: "", 1: " dV", 2: " dK"}[consts.get("PART")]
             try:
                 smem, regs, spill, wg = compile_one(fn, args.dtype, consts, cfg.num_warps, cfg.num_stages)
                 print(f"{kernel + which:9s} D={d:3d} causal={causal!s:5s} {cfg}  smem {smem:6d}  regs {regs:3d}  "
@@ -110,7 +112,6 @@ def main(argv=None):
             except Exception as exc:  # noqa: BLE001
                 print(f"{kernel + which:9s} D={d:3d} causal={causal!s:5s} {cfg}  FAILED {type(exc).__name__}: "
                       f"{str(exc)[:300]}")
-
 
 if __name__ == "__main__":
     main()

@@ -318,13 +318,9 @@ class Plan:
     heads_per_group: int  # of the causal launch order
     constexprs: dict  # in the kernels' parameter order
     options: dict  # Triton's launch options
-
-    @property
-    def passes(self) -> tuple[dict, ...]:
-        """The constexprs of each launch: one, or for a split dK/dV config the dV launch, then dK's."""
-        if not self.config.split:
-            return (self.constexprs,)
-        return ({**self.constexprs, "PART": 1}, {**self.constexprs, "PART": 2})
+    # the constexprs of each launch: ``constexprs`` alone, or for a split dK/dV config the dV
+    # launch's, then dK's (made once, by plan_for: a plan is cached and launched on every call)
+    passes: tuple
 
 
 def plan_for(kernel: str, problem: Problem, device: torch.device, cfg: KernelConfig) -> Plan:
@@ -338,17 +334,20 @@ def plan_for(kernel: str, problem: Problem, device: torch.device, cfg: KernelCon
                       # the variants (flashattn._triton.variant_constexprs), all False for plain attention
                       HAS_WINDOW=problem.window is not None, SOFTCAP=problem.softcap > 0,
                       ALIBI=problem.alibi, DROPOUT=problem.dropout_p > 0, VARLEN=problem.varlen)
+    passes = (constexprs,)
     if kernel == "bwd_dkdv":
-        constexprs["PART"] = 0  # dK and dV in one launch (Plan.passes splits them)
+        constexprs["PART"] = 0  # dK and dV in one launch, unless the config splits them
+        if cfg.split:
+            passes = ({**constexprs, "PART": 1}, {**constexprs, "PART": 2})
     if problem.varlen:
         # Packed sequences: one program per tile of the packed rows of a head, and one spare per
         # sequence, since sum_i cdiv(n_i, block) <= cdiv(total, block) + n_seqs - 1 is a bound the host
         # knows without reading the lengths (flashattn.schedule.packed_tile); the heads go one after the other.
         rows, block = (problem.total_k, cfg.block_n) if kernel == "bwd_dkdv" else (problem.total_q, cfg.block_m)
         n_blocks = -(-rows // block) + problem.batch
-        return Plan(cfg, n_blocks, n_blocks * heads, 1, constexprs, cfg.options())
+        return Plan(cfg, n_blocks, n_blocks * heads, 1, constexprs, cfg.options(), passes)
     group = heads_per_group((n_blocks, problem.batch * heads), device, problem.causal)
-    return Plan(cfg, n_blocks, n_blocks * problem.batch * heads, group, constexprs, cfg.options())
+    return Plan(cfg, n_blocks, n_blocks * problem.batch * heads, group, constexprs, cfg.options(), passes)
 
 
 _PLANS: dict = {}  # (kernel, problem, device index) -> Plan, for calls with the default tuning
