@@ -29,11 +29,14 @@ minutes compiling); dynamo's guards on symbolic shapes are then part of the meas
 they are for a model compiled over varying lengths. Compile time is never timed: the first calls of
 each shape run before the clock starts. A compile or call that fails is recorded with its message.
 
-Order: mode, then, in the eager modes, shape, then provider: at one shape every provider's calls are
-set up, run once and calibrated, and then the timed loops take turns, one loop of each provider in
-each of the ``repeats`` rounds, so a host whose speed drifts during the section moves the figures
-compared at a shape together. In the compiled modes: provider, then shape; dynamo's caches are reset
-before each provider, so every compiled call is timed with only its own graphs installed.
+Order: mode, then shape, then provider: at one shape every provider's calls are set up (compiled, in
+the compiled modes), run once and calibrated, and then the timed loops take turns, one loop of each
+provider in each of the ``repeats`` rounds, so a host whose speed drifts during the section moves the
+figures compared at a shape together. (On the H200 machines the same loops were seen to run 1.5-1.7x
+slower for seconds at a time, or for a whole run, every provider at once, while flashattn's eager
+forward over SDPA flash's, taken in turns, held at 1.31-1.42.) Dynamo's caches are reset at the start of each compiled mode; the
+providers' compiled functions then live side by side, each with a code object of its own
+(:func:`benchmarks.providers.own_code`), so no provider is ever handed another's graph.
 """
 
 from __future__ import annotations
@@ -62,8 +65,8 @@ WARMUP_CALLS = 5  # compile, autotune, CUDA-graph warm-up and recording happen h
 MIN_CALLS, MAX_CALLS = 10, 5000
 
 TIMER_HOW = ("wall clock (time.perf_counter) over n back-to-back calls between two torch.cuda.synchronize(); "
-             "per call = elapsed / n, median of the repeats (in the eager modes the providers' loops at a shape "
-             "take turns, round by round); host = clock when the last call returned; no L2 flush")
+             "per call = elapsed / n, median of the repeats (the providers' loops at a shape take turns, round "
+             "by round); host = clock when the last call returned; no L2 flush")
 FWD_HOW = "fn(q, k, v) with q, k, v requiring grad (a training forward)"
 FWD_BWD_HOW = "torch.autograd.grad(fn(q, k, v), (q, k, v), do): forward and whole backward, no accumulation"
 EAGER_MODES = ("eager", "eager-one-thread")
@@ -161,7 +164,7 @@ def _compiled(parts, mode, compile_fn):
     kwargs = {"fullgraph": True, "dynamic": True}
     if mode == "reduce-overhead":
         kwargs["mode"] = "reduce-overhead"
-    return compile_fn(parts.inner, **kwargs)
+    return compile_fn(parts.compiled, **kwargs)
 
 
 def run_latency(shapes, providers, *, device, modes=MODES, passes=PASSES, measure_fn=None, compile_fn=None,
@@ -183,16 +186,12 @@ def run_latency(shapes, providers, *, device, modes=MODES, passes=PASSES, measur
     records = []
     for mode in modes:
         lines = {provider.name: [] for provider in providers}
-        if mode in EAGER_MODES:
-            # every provider at one shape, then the next shape, and at a shape the providers' timed
-            # loops take turns: a host whose speed drifts moves the figures compared at a shape together
-            groups = [(providers, index, setting) for index, setting in enumerate(shapes)]
-        else:  # compiled: one provider's graphs at a time (dynamo's caches are reset between providers)
-            groups = [([provider], index, setting) for provider in providers for index, setting in enumerate(shapes)]
-        for group, index, setting in groups:
-            if mode not in EAGER_MODES and index == 0:
-                reset()
-            recs = _measure_shape(setting, group, mode, passes, device=device, timer=measure_fn,
+        if mode not in EAGER_MODES:
+            reset()  # each compiled mode starts from empty caches; its providers' graphs then live side by side
+        # every provider at one shape, then the next shape, and at a shape the providers' timed loops
+        # take turns: a host whose speed drifts moves the figures compared at a shape together
+        for index, setting in enumerate(shapes):
+            recs = _measure_shape(setting, providers, mode, passes, device=device, timer=measure_fn,
                                   compile_fn=compile_fn, sync=sync, clock=clock, seed=index)
             records += recs
             for r in recs:
@@ -226,14 +225,14 @@ def _measure_shape(setting, providers, mode, passes, *, device, timer, compile_f
         return stack
 
     for i, provider in enumerate(providers):
+        if mode not in EAGER_MODES and provider.not_compiled_again:
+            for p in passes:  # (its parts are not even made: FlexAttention's would reset dynamo)
+                out[i, p] = _record(setting, provider, mode, p, status="skipped",
+                                    error=f"not compiled again: {provider.not_compiled_again}")
+            continue
         q, k, v, do = measure.make_inputs(setting, device, seed=seed)
         try:
             parts = provider.latency_parts(setting, device, compile_fn)
-            if mode not in EAGER_MODES and not parts.compiled_modes:
-                for p in passes:
-                    out[i, p] = _record(setting, provider, mode, p, status="skipped",
-                                        error=f"not compiled again: {parts.note}")
-                continue
             fn = _compiled(parts, mode, compile_fn)
         except Exception as exc:  # noqa: BLE001 -- a provider that cannot even be set up is a result
             status, message = measure.classify_error(exc)

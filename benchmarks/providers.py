@@ -17,6 +17,7 @@ For the latency section (:mod:`benchmarks.latency`) each provider also hands out
 from __future__ import annotations
 
 import functools
+import types
 
 
 class Unsupported(RuntimeError):
@@ -25,20 +26,41 @@ class Unsupported(RuntimeError):
 
 class LatencyParts:
     """What :mod:`benchmarks.latency` needs to call a provider: ``inner(q, k, v, *extras) -> o``, a
-    plain function that ``torch.compile`` may trace; ``extras`` (tensors made once per shape, e.g. a
-    block mask); ``context()`` entered around a whole timing loop (an SDPA backend choice), or None;
-    ``eager`` the call of the eager mode when it is not ``inner`` itself (FlexAttention is only ever
-    called compiled); ``compiled_modes`` False when compiling the call adds nothing to ``eager``."""
+    plain function; ``extras`` (tensors made once per shape, e.g. a block mask); ``context()`` entered
+    around a whole timing loop (an SDPA backend choice), or None; ``eager`` the call of the eager mode
+    when it is not ``inner`` itself (FlexAttention is only ever called compiled); ``compiled`` the
+    function the compiled modes hand to ``torch.compile`` when it is not ``inner``."""
 
-    def __init__(self, inner, extras=(), context=None, eager=None, compiled_modes=True, note=""):
+    def __init__(self, inner, extras=(), context=None, eager=None, compiled=None, note=""):
         self.inner, self.extras, self.context = inner, tuple(extras), context
-        self.eager, self.compiled_modes, self.note = eager or inner, compiled_modes, note
+        self.eager, self.compiled, self.note = eager or inner, compiled or inner, note
+
+
+_OWN_CODE: dict = {}  # (code object, provider name) -> that code under a name of the provider's own
+
+
+def own_code(fn, name: str):
+    """``fn`` with a code object kept for provider ``name`` alone, the same at every call.
+
+    Dynamo keeps its compiled graphs on the code object they were traced from, and checks guards to
+    pick one. The latency section's compiled modes keep every provider's graphs at once (the providers
+    take turns at each shape), and the three SDPA providers' functions come from one ``def``: with
+    one code object among them a provider could find another's graph whenever the guards cannot tell
+    the backends apart. A code object per provider, reused across shapes, keeps each provider's graphs
+    to itself and still lets ``dynamic=True`` reuse them from one shape to the next."""
+    key = (fn.__code__, name)
+    code = _OWN_CODE.get(key)
+    if code is None:
+        code = _OWN_CODE[key] = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{name}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 class Provider:
     name = ""
     label = ""
     ours = False
+    # Why the latency section's compiled modes do not compile this provider's call; None: they do.
+    not_compiled_again: str | None = None
     # False: measured only where ``Setting.peers`` is True.
     runs_ours_only_settings = False
 
@@ -149,9 +171,13 @@ class SDPA(Provider):
         def inner(q, k, v):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
+        def chosen(q, k, v):  # what torch.compile traces: the backend choice is part of the graph
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
         # The backend flags are global state: set once around the timing loop (and the compile),
         # as a user who picks a backend for a model does, not entered again at every call.
-        return LatencyParts(inner, context=lambda: sdpa_kernel(backend))
+        return LatencyParts(inner, context=lambda: sdpa_kernel(backend), compiled=own_code(chosen, self.name))
 
 
 def _causal_mask_mod(b, h, q_idx, kv_idx):
@@ -162,6 +188,7 @@ class Flex(Provider):
     """torch.nn.attention.flex_attention.flex_attention under torch.compile(dynamic=False), one compile per shape; causal runs take a block mask from create_block_mask so fully masked blocks are skipped; GQA by enable_gqa=True."""
 
     name, label = "flex", "FlexAttention (compiled)"
+    not_compiled_again = "eager = torch.compile(flex_attention, dynamic=True) called from eager code"
 
     def prepare(self, setting, device):
         import torch
@@ -219,8 +246,7 @@ class Flex(Provider):
         def eager(q, k, v, *block_mask):
             return compiled(q, k, v, block_mask=block_mask[0] if block_mask else None)
 
-        return LatencyParts(inner, extras, eager=eager, compiled_modes=False,
-                            note="eager = torch.compile(flex_attention, dynamic=True) called from eager code")
+        return LatencyParts(inner, extras, eager=eager, note=self.not_compiled_again)
 
 
 def _allow_retain_graph():

@@ -534,17 +534,43 @@ def test_latency_runs_every_provider_mode_and_pass():
         r for r in recs if r["provider"] == "reference"], latency.WallClock()), {"reference": {}})
 
 
-def test_latency_measures_the_providers_of_a_shape_back_to_back_in_eager_modes():
-    """Eager modes: shape, then provider (the figures compared at a shape are taken together);
-    compiled modes: provider, then shape (one provider's graphs at a time)."""
-    compile_fn = RecordingCompile()
-    recs = run_tiny_latency([providers.PROVIDERS["flashattn"], providers.PROVIDERS["reference"]], compile_fn)
+def test_latency_measures_the_providers_of_a_shape_back_to_back_in_every_mode():
+    """Shape, then provider, in the eager and the compiled modes alike: the figures compared at a
+    shape are taken together; dynamo is reset once per compiled mode, never between providers."""
+    compile_fn, resets = RecordingCompile(), []
+    recs = latency.run_latency(tiny_shapes(), [providers.PROVIDERS["flashattn"], providers.PROVIDERS["reference"]],
+                               device="cpu", compile_fn=compile_fn,
+                               measure_fn=latency.WallClock(target_ms=0.5, repeats=1, warmup_calls=1),
+                               reset=lambda: resets.append(1), log=lambda s: None)
     for mode in latency.MODES:
         seen = [(r["provider"], r["causal"]) for r in recs if r["mode"] == mode and r["pass"] == "fwd"]
-        if mode in latency.EAGER_MODES:
-            assert seen == [("flashattn", False), ("reference", False), ("flashattn", True), ("reference", True)]
-        else:
-            assert seen == [("flashattn", False), ("flashattn", True), ("reference", False), ("reference", True)]
+        assert seen == [("flashattn", False), ("reference", False), ("flashattn", True), ("reference", True)]
+    assert len(resets) == len([m for m in latency.MODES if m not in latency.EAGER_MODES])
+
+
+def test_compiled_latency_loops_take_turns_between_providers():
+    timer = LoopLog(latency.WallClock(target_ms=0.2, repeats=3, warmup_calls=1))
+    recs = latency.run_latency(tiny_shapes()[:1], [providers.PROVIDERS["flashattn"], providers.PROVIDERS["reference"]],
+                               device="cpu", modes=("reduce-overhead",), passes=("fwd",), measure_fn=timer,
+                               compile_fn=RecordingCompile(), reset=lambda: None, log=lambda s: None)
+    assert [r["provider"] for r in recs] == ["flashattn", "reference"] and all(r["status"] == "ok" for r in recs)
+    first, second = timer.log[0], timer.log[1]
+    assert first is not second and timer.log == [first, second] * 3
+
+
+def test_sdpa_providers_compile_functions_of_their_own_code():
+    """The SDPA providers' compiled-mode functions come from one def: each provider gets a code object
+    of its own (dynamo's graphs live on code objects), the same one at every shape, so dynamic=True
+    reuses a provider's graph across shapes and no provider is handed another backend's graph."""
+    compile_fn = RecordingCompile()
+    shapes = tiny_shapes() + latency.make_shapes(dtypes=("float32",), head_dims=(32,), seqlens=(64,),
+                                                 batch_heads=((2, 2),))
+    codes = {name: {providers.PROVIDERS[name].latency_parts(s, "cpu", compile_fn).compiled.__code__ for s in shapes}
+             for name in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")}
+    assert all(len(c) == 1 for c in codes.values())  # one code object per provider, at every shape
+    assert len({c for cs in codes.values() for c in cs}) == 3  # and no two providers share one
+    parts = providers.PROVIDERS["sdpa_efficient"].latency_parts(tiny_shapes()[0], "cpu", compile_fn)
+    assert parts.compiled is not parts.inner and parts.eager is parts.inner
 
 
 def test_latency_records_a_failed_compile_and_goes_on():
@@ -642,24 +668,31 @@ def test_latency_one_thread_mode_runs_the_calls_with_the_engine_threads_off():
 
 
 class CompiledOnly(providers.Provider):
-    """Like FlexAttention: the eager column is already a compiled call; compiling again is skipped."""
+    """Like FlexAttention: the eager column is already a compiled call; compiling again is skipped,
+    without making the parts (FlexAttention's reset dynamo)."""
 
     name, label = "reference", "compiled only"
+    not_compiled_again = "eager = compiled already"
+
+    def __init__(self):
+        self.made = []
 
     def latency_parts(self, setting, device, compile_fn):
+        self.made.append(setting)
         fn = providers.PROVIDERS["reference"].prepare(setting, device)
-        return providers.LatencyParts(fn, compiled_modes=False, note="eager = compiled already")
+        return providers.LatencyParts(fn, note=self.not_compiled_again)
 
 
 def test_latency_skips_compiling_a_provider_twice_and_says_why():
-    compile_fn = RecordingCompile()
-    recs = run_tiny_latency([CompiledOnly()], compile_fn)
+    compile_fn, prov = RecordingCompile(), CompiledOnly()
+    recs = run_tiny_latency([prov], compile_fn)
     for r in recs:
         if r["mode"] in latency.EAGER_MODES:
             assert r["status"] == "ok" and r["note"] == "eager = compiled already"
         else:
             assert r["status"] == "skipped" and "eager = compiled already" in r["error"]
     assert compile_fn.calls == []
+    assert len(prov.made) == len(tiny_shapes()) * len(latency.EAGER_MODES)
 
 
 def test_flex_latency_compiles_each_shape_with_dynamo_reset_first(monkeypatch):
