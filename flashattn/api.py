@@ -272,9 +272,12 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
             alibi_slopes = alibi_slopes.detach().contiguous()
         left, right = window if window is not None else (None, None)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        # No dropout reaches the operator as the constant 0.0. Dynamo makes any other float it reads
+        # (dropout_p's default included) a graph input, a tensor built from it on every call.
+        dropout_p = float(dropout_p) if dropout_p != 0 else 0.0
         o, lse = torch.ops.flashattn.attention_forward(
             q, k, v, causal, scale, -1 if left is None else left, -1 if right is None else right, softcap,
-            alibi_slopes, float(dropout_p), int(seed) if dropout_p > 0 else 0)
+            alibi_slopes, dropout_p, int(seed) if dropout_p > 0 else 0)
     else:
         # Eager calls skip the operator dispatcher (tens of microseconds of a short call) and run the
         # same backends through an autograd.Function, or, when no gradient can flow (inference,

@@ -50,11 +50,24 @@ def _in_layout(x: Tensor, like: Tensor) -> Tensor:
     return out
 
 
+_PROBLEMS: dict = {}  # the operators' arguments that describe a call -> its Problem
+
+
 def _problem(q, k, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p) -> Problem:
-    # The operators spell the window as FlashAttention 2 does: a negative side is unbounded.
-    window = (None if window_left < 0 else window_left, None if window_right < 0 else window_right)
-    return Problem.of(q, k, causal, scale, window=window, softcap=softcap, alibi=alibi_slopes is not None,
-                      dropout_p=dropout_p)
+    """The call's :class:`Problem`, kept per argument signature: a compiled model without CUDA graphs
+    calls the operator itself every step, and building a Problem is a few microseconds of it."""
+    key = (q.shape, k.shape, q.dtype, causal, scale, window_left, window_right, softcap, alibi_slopes is None,
+           dropout_p)
+    problem = _PROBLEMS.get(key)
+    if problem is None:
+        # The operators spell the window as FlashAttention 2 does: a negative side is unbounded.
+        window = (None if window_left < 0 else window_left, None if window_right < 0 else window_right)
+        problem = Problem.of(q, k, causal, scale, window=window, softcap=softcap, alibi=alibi_slopes is not None,
+                             dropout_p=dropout_p)
+        if len(_PROBLEMS) > 4096:  # many distinct shapes: start over rather than grow without bound
+            _PROBLEMS.clear()
+        _PROBLEMS[key] = problem
+    return problem
 
 
 @torch.library.custom_op("flashattn::attention_forward", mutates_args=())

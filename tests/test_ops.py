@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flashattn
-from flashattn import schedule
+from flashattn import ops, schedule
 from flashattn.reference import naive_attention
 from flashattn.testing import assert_close_ratio, random_qkv
 
@@ -78,6 +78,46 @@ def test_compile_fullgraph_traces_forward_and_backward(causal, monkeypatch):
         got = torch.autograd.grad(compiled(q, k, v, do), (q, k, v))
         for g, e in zip(got, eager):
             torch.testing.assert_close(g, e, rtol=0, atol=1e-12)
+
+
+def test_operator_problems_are_kept_per_signature_and_never_mixed():
+    """The operators keep the Problem of each argument signature: the same arguments give the same
+    object, and every argument that describes a call gives a Problem of its own, equal to a fresh one."""
+    q, k, _ = _qkv(2, 4, 2, 8, 12, 16, torch.float16, seed=1)
+    base = (q, k, True, 0.25, -1, -1, 0.0, None, 0.0)
+    assert ops._problem(*base) is ops._problem(*base)
+    variants = [base, (q, k, False, *base[3:]), (q, k, True, 0.5, *base[4:]), (*base[:4], 3, 0, *base[6:]),
+                (*base[:6], 30.0, None, 0.0), (*base[:7], torch.ones(4), 0.0), (*base[:8], 0.25),
+                (q[:, :, :5], *base[1:]), (q, k[:, :, :7], *base[2:]), (q.float(), *base[1:])]
+    got = [ops._problem(*args) for args in variants]
+    assert len(set(got)) == len(variants)
+    for args, problem in zip(variants, got):
+        ops._PROBLEMS.clear()
+        assert ops._problem(*args) == problem
+
+
+def test_compiled_graph_takes_no_float_input_without_dropout():
+    """A call with no dropout hands the operator the constant 0.0: dynamo would otherwise make the
+    float it reads (dropout_p's default) a graph input, a tensor built from it on every call. The
+    graph's inputs are q, k, v and their symbolic sizes, and dropout's 0.0 is in the graph itself."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    fn = torch.compile(lambda q, k, v: flashattn.attention(q, k, v, causal=True), fullgraph=True, dynamic=True,
+                       backend=backend)
+    q, k, v = (x.requires_grad_() for x in _qkv(1, 2, 1, 6, 9, 16, torch.float64, seed=4))
+    fn(q, k, v)
+    (gm,) = graphs
+    inputs = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+    assert sum(isinstance(x, torch.Tensor) for x in inputs) == 3
+    assert all(isinstance(x, torch.Tensor) and x.dim() == 4 or isinstance(x, torch.SymInt) for x in inputs), inputs
+    op = torch.ops.flashattn.attention_forward
+    (call,) = [n for n in gm.graph.nodes if n.target in (op, op.default)]
+    assert call.args[9] == 0.0 and type(call.args[9]) is float  # dropout_p
 
 
 def test_compiled_call_runs_the_kernels_under_the_interpreter():
