@@ -271,7 +271,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
         if alibi_slopes is not None:
             alibi_slopes = alibi_slopes.detach().contiguous()
         left, right = window if window is not None else (None, None)
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        scale = None if scale is None else float(scale)  # None: the operator takes 1 / sqrt(D) itself
         # No dropout reaches the operator as the constant 0.0. Dynamo makes any other float it reads
         # (dropout_p's default included) a graph input, a tensor built from it on every call.
         dropout_p = float(dropout_p) if dropout_p != 0 else 0.0

@@ -5,7 +5,10 @@ softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=0) -> (o, lse)`` and
 ``torch.ops.flashattn.attention_backward(do, q, k, v, o, lse, dlse, causal, scale, <the same variants>)
 -> (dq, dk, dv)`` (and their packed-sequence twins ``attention_varlen_forward`` /
 ``attention_varlen_backward``, which take ``cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k``
-and no variants yet) are registered with :mod:`torch.library`: a fake (meta) implementation gives Dynamo and AOTAutograd
+and no variants yet) are registered with :mod:`torch.library`. ``scale`` None means ``1 / sqrt(D)``,
+computed inside the operator: computed in the traced code from a dynamic head dim, it would be a
+symbolic float that AOTAutograd turns into a tensor on every call. They are registered with
+:mod:`torch.library`: a fake (meta) implementation gives Dynamo and AOTAutograd
 the output shapes without running anything, and the forward's autograd formula calls the backward
 operator. To the compiler each is one opaque node, so ``torch.compile(fullgraph=True)`` traces a
 model that calls :func:`flashattn.attention` without a graph break, with dynamic shapes and under
@@ -71,7 +74,7 @@ def _problem(q, k, causal, scale, window_left, window_right, softcap, alibi_slop
 
 
 @torch.library.custom_op("flashattn::attention_forward", mutates_args=())
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window_left: int = -1,
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, window_left: int = -1,
                       window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
                       dropout_p: float = 0.0, seed: int = 0) -> tuple[Tensor, Tensor]:
     problem = _problem(q, k, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p)
@@ -88,7 +91,7 @@ def _(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0, alib
 
 @torch.library.custom_op("flashattn::attention_backward", mutates_args=())
 def attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                       dlse: Tensor | None, causal: bool, scale: float, window_left: int = -1,
+                       dlse: Tensor | None, causal: bool, scale: float | None, window_left: int = -1,
                        window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
                        dropout_p: float = 0.0, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     problem = _problem(q, k, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p)
@@ -133,7 +136,7 @@ def _packed_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, scal
 @torch.library.custom_op("flashattn::attention_varlen_forward", mutates_args=())
 def attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                              max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                             scale: float) -> tuple[Tensor, Tensor]:
+                             scale: float | None) -> tuple[Tensor, Tensor]:
     problem = _packed_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, scale)
     o, lse = backend(use_kernels(q), varlen=True)[0](q, k, v, problem, packing=(cu_seqlens_q, cu_seqlens_k))
     return _in_layout(o, q), lse
@@ -147,7 +150,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
 @torch.library.custom_op("flashattn::attention_varlen_backward", mutates_args=())
 def attention_varlen_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                               dlse: Tensor | None, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-                              max_seqlen_k: int, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                              max_seqlen_k: int, causal: bool, scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
     problem = _packed_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, scale)
     dq, dk, dv = backend(use_kernels(q), varlen=True)[1](do, q, k, v, o, lse, problem, dlse,
                                                          packing=(cu_seqlens_q, cu_seqlens_k))

@@ -11,7 +11,6 @@ this module does not import Triton.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -119,7 +118,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     for name, flag in (("causal", causal), ("return_lse", return_lse), ("validate", validate)):
         check_flag(name, flag)
     check_scale(scale)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = None if scale is None else float(scale)  # None: 1 / sqrt(D), taken by Problem or the operator
     compiling = torch.compiler.is_compiling()
     if not compiling and (validate or q.device.type == "cpu"):
         _check_cu_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

@@ -99,7 +99,9 @@ def test_operator_problems_are_kept_per_signature_and_never_mixed():
 def test_compiled_graph_takes_no_float_input_without_dropout():
     """A call with no dropout hands the operator the constant 0.0: dynamo would otherwise make the
     float it reads (dropout_p's default) a graph input, a tensor built from it on every call. The
-    graph's inputs are q, k, v and their symbolic sizes, and dropout's 0.0 is in the graph itself."""
+    default scale reaches it as None (1 / sqrt(D) inside): computed from the symbolic head dim it
+    would be a symbolic float, which AOTAutograd turns into a tensor on every call as well. The
+    graph's inputs are q, k, v and their symbolic sizes."""
     torch._dynamo.reset()
     graphs = []
 
@@ -118,6 +120,9 @@ def test_compiled_graph_takes_no_float_input_without_dropout():
     op = torch.ops.flashattn.attention_forward
     (call,) = [n for n in gm.graph.nodes if n.target in (op, op.default)]
     assert call.args[9] == 0.0 and type(call.args[9]) is float  # dropout_p
+    # and no float computed from the symbolic sizes: the default scale 1 / sqrt(D) is the operator's
+    assert call.args[4] is None
+    assert not any(isinstance(n.meta.get("example_value"), torch.SymFloat) for n in gm.graph.nodes)
 
 
 def test_compiled_call_runs_the_kernels_under_the_interpreter():
