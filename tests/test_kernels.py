@@ -764,3 +764,39 @@ def test_gpu_autotuned_path(monkeypatch):
     first = attention_backward(do, q, k, v, o, lse, Problem.of(q, k, True, 64 ** -0.5))
     second = attention_backward(do, q, k, v, o, lse, Problem.of(q, k, True, 64 ** -0.5))
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+# -- the Hopper forward in Gluon (flashattn.hopper_fwd, not dispatched yet) ----------------------------
+
+
+def test_hopper_forward_is_never_supported_off_hopper():
+    """Importing the Gluon module never imports Gluon or touches the driver; it declines CPU tensors
+    (and anything but float16/bfloat16, D in {64, 128}, on an sm_90 GPU with Triton 3.6)."""
+    from flashattn import hopper_fwd
+
+    q, k, v = random_qkv(1, 2, 2, 8, 8, 64, dtype=torch.float16)
+    assert not hopper_fwd.supported(q, k, v, True)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("b, h_q, h_kv, n, m, causal, layout, std", [
+    (2, 4, 4, 1000, 1000, False, "bhnd", 1.0),
+    (2, 4, 4, 300, 777, True, "bhnd", 1.0),
+    (2, 4, 2, 777, 300, True, "bnhd", 1.0),  # GQA, N > M: the first 477 rows see no key
+    (1, 8, 2, 1024, 1024, True, "bhnd", 3.0),  # large logits
+    (1, 2, 1, 130, 3, False, "bnhd", 1.0),
+])
+def test_hopper_forward_matches_float64(dtype, d, b, h_q, h_kv, n, m, causal, layout, std):
+    from flashattn import hopper_fwd
+
+    q, k, v = random_qkv(b, h_q, h_kv, n, m, d, dtype=dtype, device="cuda", layout=layout, std=std)
+    if not hopper_fwd.supported(q, k, v, causal):
+        pytest.skip("the Gluon forward runs on sm_90 with Triton 3.6 only")
+    o, lse = hopper_fwd.forward(q, k, v, causal)
+    o64, lse64 = naive_attention(q.double(), k.double(), v.double(), causal=causal)
+    o16, lse16 = naive_attention(q, k, v, causal=causal)
+    assert_close_ratio("o", o, o64, o16)
+    assert_close_ratio("lse", lse, lse64, lse16.float())

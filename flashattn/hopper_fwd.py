@@ -1,0 +1,422 @@
+"""Hopper-only (sm_90a) FlashAttention forward written in Gluon, for Triton 3.6.
+
+    o, lse = forward(q, k, v, causal, scale)      # q (B, Hq, N, D); k, v (B, Hkv, M, D)
+
+Design (one CTA per 128-row query block of one (batch, head)):
+
+* three warp-specialized partitions (``gl.warp_specialize``):
+  - consumer 0: the default partition, 4 warps (one warpgroup), query rows [0, 64) of the block;
+  - consumer 1: a worker partition, 4 warps, query rows [64, 128);
+  - producer: a worker partition, 1 warp, 24 registers, that issues every TMA load: the two Q
+    halves once, then K and V tiles into a ring of ``STAGES`` shared-memory slots.
+  The kernel runs with ``maxnreg=168`` so that the register allocator gives each consumer
+  warpgroup 240 registers per thread (12 warps * 168 = 4 * 240 + 4 * 240 + 4 * 24).
+* K and V of a slot have separate "full" mbarriers (expect-tx, completed by TMA) and separate
+  "empty" mbarriers (count 2: one arrive from each consumer), so S = Q K^T may start before V lands.
+* each consumer keeps one P V product in flight: it issues S_j = Q K_j^T and O += P_{j-1} V_{j-1}
+  back to back (async wgmma), waits for S_j only, runs the softmax of S_j while P_{j-1} V_{j-1}
+  runs, then waits for the product, rescales O and casts P_j to a register wgmma operand.
+* ping-pong (``PINGPONG``, off by default, see :func:`_config`): two "turn" mbarriers make the
+  consumers issue their GEMMs in strict alternation, so one warpgroup's softmax overlaps the
+  other's tensor-core work (FA3 uses named barriers for this; Gluon 3.6 exposes none, so mbarriers
+  between the two consumer partitions play their part).
+* scores are kept in base 2 (scale * log2(e) folded in); the running max starts at a finite floor
+  (-1e30), so rows that see no key produce p = 0, alpha = 1 and never NaN; such rows store o = 0 and
+  lse = -inf.
+* causal masking is bottom-right aligned (query i sees key j iff j <= i + M - N); key blocks wholly
+  visible to the whole 128-row block run without a mask, the diagonal/ragged ones with it, and key
+  blocks above the diagonal are never loaded.
+
+Importing this module never imports Gluon: the kernel is defined the first time it is needed.
+"""
+
+from __future__ import annotations
+
+import math
+
+BLOCK_M = 128          # query rows per CTA (two consumer warpgroups of 64 rows)
+HALF_M = 64            # query rows per consumer warpgroup
+MAXNREG = 168          # per-thread register cap of the whole kernel (see module docstring)
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+
+_KERNEL = None
+_BUILD_ERROR = None
+
+
+def _config(head_dim: int):
+    """(BLOCK_N, STAGES, PINGPONG) for a head dim. The K+V ring plus the two Q halves must fit the
+    227 KB of shared memory; BLOCK_N must be a power of two (192 is not expressible), and 256 spills
+    at D=64. Measured on an H200 (bf16, N=4096/16384): STAGES 3-4 gain nothing over 2, BLOCK_N=64 is
+    7-10% slower, and ping-pong ordering is within noise at D=128 and 2-4% slower at D=64, so it is
+    off by default (``forward(..., pingpong=True)`` turns it on)."""
+    if head_dim == 64:
+        return 128, 2, False   # Q 16 KB + 2 * (16 + 16) KB = 80 KB
+    return 128, 2, False       # Q 32 KB + 2 * (32 + 32) KB = 160 KB
+
+
+def _triton_version_ok() -> bool:
+    try:
+        import triton
+    except Exception:
+        return False
+    parts = triton.__version__.split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) == (3, 6)
+    except Exception:
+        return False
+
+
+def supported(q, k, v, causal: bool = False) -> bool:
+    """True when :func:`forward` handles these inputs on this machine (Hopper sm_90, Triton 3.6)."""
+    try:
+        import torch
+    except Exception:
+        return False
+    try:
+        if not (q.is_cuda and k.is_cuda and v.is_cuda):
+            return False
+        if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+            return False
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape != v.shape:
+            return False
+        B, Hq, N, D = q.shape
+        if D not in (64, 128) or k.shape[0] != B or k.shape[3] != D or Hq % k.shape[1] != 0:
+            return False
+        if N == 0 or k.shape[2] == 0:
+            return False
+        if torch.cuda.get_device_capability(q.device) != (9, 0):
+            return False
+        return _triton_version_ok() and _get_kernel() is not None
+    except Exception:
+        return False
+
+
+def _build_kernel():
+    """Define the Gluon kernel. Gluon is imported here, never at module import, so that importing this
+    module works on any Triton (or none) and touches no GPU state. The Gluon names become module
+    globals, where the JIT resolves them (annotations included)."""
+    global gluon, gl, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                   warpgroup_mma, warpgroup_mma_wait)
+
+    @gluon.jit
+    def _fa_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty,
+                     b, hq, hkv, m0, n_total,
+                     HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        # One warp: Q halves once, then K and V tiles into the ring.
+        QBYTES: gl.constexpr = HALF * HEAD_DIM * 2
+        KVBYTES: gl.constexpr = BLOCK_N * HEAD_DIM * 2
+        for c in gl.static_range(2):
+            mbarrier.expect(q_bars.index(c), QBYTES)
+            tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + c * HALF, 0], q_bars.index(c),
+                                            q_smem.index(c).reshape([1, 1, HALF, HEAD_DIM]))
+        for i in range(n_total):
+            s = i % STAGES
+            ph = (i // STAGES) & 1
+            n0 = i * BLOCK_N
+            # A fresh mbarrier counts as having completed the phase before phase 0, so the first
+            # STAGES waits (parity 1) return at once.
+            mbarrier.wait(k_empty.index(s), ph ^ 1)
+            mbarrier.expect(k_full.index(s), KVBYTES)
+            tma.async_copy_global_to_shared(k_desc, [b, hkv, n0, 0], k_full.index(s),
+                                            k_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+            mbarrier.wait(v_empty.index(s), ph ^ 1)
+            mbarrier.expect(v_full.index(s), KVBYTES)
+            tma.async_copy_global_to_shared(v_desc, [b, hkv, n0, 0], v_full.index(s),
+                                            v_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+
+
+    @gluon.jit
+    def _fa_softmax(s, m_i, l_i, n0, row0, M, q_off, qk_scale,
+                    MASK: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
+                    s_layout: gl.constexpr):
+        # s: raw scores q.k [HALF, BLOCK_N] (fp32, wgmma layout); qk_scale = scale * log2(e) > 0.
+        # Returns (p fp32, alpha, m_new, l_new) with m in base-2 scaled units; s * qk_scale - m is
+        # one FMA per score.
+        if MASK:
+            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            keep = gl.expand_dims(cols < M, 0)
+            if CAUSAL:
+                rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+                keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + q_off, 1))
+            s = gl.where(keep, s, -float("inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        l_new = l_i * alpha + gl.sum(p, axis=1)
+        return p, alpha, m_new, l_new
+
+
+    @gluon.jit
+    def _fa_step(i, q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn_mine, turn_other,
+                 m_i, l_i, p, acc, row0, M, q_off, qk_scale,
+                 CONSUMER: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                 HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+        # Key block i: S_i = Q K_i^T and O += P_{i-1} V_{i-1}, softmax of S_i under the P V product.
+        s_idx = i % STAGES
+        s_ph = (i // STAGES) & 1
+        j = i - 1
+        v_idx = j % STAGES
+        v_ph = (j // STAGES) & 1
+        mbarrier.wait(k_full.index(s_idx), s_ph)
+        mbarrier.wait(v_full.index(v_idx), v_ph)
+        if PINGPONG:
+            # turn number i of this consumer (the prologue was turn 0)
+            mbarrier.wait(turn_mine, (i & 1) ^ (1 - CONSUMER))
+        s_tok = warpgroup_mma(q, k_smem.index(s_idx).permute((1, 0)),
+                              gl.zeros([HALF, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        acc_tok = warpgroup_mma(p, v_smem.index(v_idx), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn_other)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(s_idx))
+        p_new, alpha, m_i, l_i = _fa_softmax(s, m_i, l_i, i * BLOCK_N, row0, M, q_off, qk_scale, MASK, CAUSAL, HALF,
+                                             BLOCK_N, s_layout)
+        acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
+        mbarrier.arrive(v_empty.index(v_idx))
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p = gl.convert_layout(p_new.to(q.dtype), p_layout)
+        return m_i, l_i, p, acc
+
+
+    @gluon.jit
+    def _fa_consumer(q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty, turn_bars, o_desc, lse_ptr,
+                     b, hq, bh, m0, N, M, n_full, n_total, qk_scale,
+                     CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                     HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        # One warpgroup: query rows [m0 + CONSUMER * HALF, + HALF).
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        row0 = m0 + CONSUMER * HALF
+        q_off = M - N
+        turn_mine = turn_bars.index(CONSUMER)
+        turn_other = turn_bars.index(1 - CONSUMER)
+
+        q = q_smem.index(CONSUMER)
+        mbarrier.wait(q_bars.index(CONSUMER), 0)
+
+        m_i = gl.full([HALF], -1.0e30, gl.float32, row_s)
+        l_i = gl.full([HALF], 0.0, gl.float32, row_s)
+        acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+        if n_total > 0:
+            # Prologue: S_0 alone (always masked: it may be the ragged or diagonal block).
+            mbarrier.wait(k_full.index(0), 0)
+            if PINGPONG:
+                mbarrier.wait(turn_mine, 1 - CONSUMER)
+            s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)),
+                                  gl.zeros([HALF, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn_other)
+            s = warpgroup_mma_wait(0, deps=(s_tok, ))
+            mbarrier.arrive(k_empty.index(0))
+            p32, alpha, m_i, l_i = _fa_softmax(s, m_i, l_i, 0, row0, M, q_off, qk_scale, True, CAUSAL, HALF, BLOCK_N,
+                                               s_layout)
+            p = gl.convert_layout(p32.to(q.dtype), p_layout)
+            # Key blocks every row of this CTA sees in full: no mask.
+            for i in range(1, n_full):
+                m_i, l_i, p, acc = _fa_step(i, q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn_mine,
+                                            turn_other, m_i, l_i, p, acc, row0, M, q_off, qk_scale, CONSUMER, False,
+                                            CAUSAL, PINGPONG, HALF, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
+            # Diagonal and ragged key blocks: masked.
+            for i in range(gl.maximum(n_full, 1), n_total):
+                m_i, l_i, p, acc = _fa_step(i, q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn_mine,
+                                            turn_other, m_i, l_i, p, acc, row0, M, q_off, qk_scale, CONSUMER, True,
+                                            CAUSAL, PINGPONG, HALF, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
+            # Epilogue: the last P V.
+            j = n_total - 1
+            v_idx = j % STAGES
+            mbarrier.wait(v_full.index(v_idx), (j // STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(turn_mine, (n_total & 1) ^ (1 - CONSUMER))
+            acc_tok = warpgroup_mma(p, v_smem.index(v_idx), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn_other)
+            acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
+            mbarrier.arrive(v_empty.index(v_idx))
+
+        # o = acc / l (0 where the row saw nothing: then acc is 0 too); lse = ln2 * (m + log2 l).
+        l_o = gl.convert_layout(l_i, row_o)
+        o = acc / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1)
+        lse = gl.where(l_i == 0.0, -float("inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
+        rows = row0 + gl.arange(0, HALF, layout=row_s)
+        gl.store(lse_ptr + bh.to(gl.int64) * N + rows, lse, mask=rows < N)
+        # The Q tile is dead (every S GEMM has completed): stage O there and TMA-store it; TMA clips
+        # rows >= N.
+        q.store(o.to(q.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, hq, row0, 0], q.reshape([1, 1, HALF, HEAD_DIM]))
+        tma.store_wait(0)
+
+
+    @gluon.jit
+    def _fa_consumer0(q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty, turn_bars, o_desc, lse_ptr,
+                      b, hq, bh, m0, N, M, n_full, n_total, qk_scale,
+                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                      HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        _fa_consumer(q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty, turn_bars, o_desc, lse_ptr,
+                     b, hq, bh, m0, N, M, n_full, n_total, qk_scale, 0, CAUSAL, PINGPONG, HALF, BLOCK_N, HEAD_DIM,
+                     STAGES)
+
+
+    @gluon.jit
+    def _fa_consumer1(q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty, turn_bars, o_desc, lse_ptr,
+                      b, hq, bh, m0, N, M, n_full, n_total, qk_scale,
+                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                      HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        _fa_consumer(q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty, turn_bars, o_desc, lse_ptr,
+                     b, hq, bh, m0, N, M, n_full, n_total, qk_scale, 1, CAUSAL, PINGPONG, HALF, BLOCK_N, HEAD_DIM,
+                     STAGES)
+
+
+    @gluon.jit
+    def _fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
+                       HQ, GROUP, N, M, qk_scale,
+                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr):
+        HALF: gl.constexpr = 64
+        BLOCK_M: gl.constexpr = 2 * HALF
+        dtype: gl.constexpr = q_desc.dtype
+
+        # Grid axis 0 enumerates (query block, batch*head), query block fastest so CTAs that run
+        # together share K/V in L2; under causal the longest query blocks go first.
+        num_mb = gl.cdiv(N, BLOCK_M)
+        pid = gl.program_id(0)
+        bh = pid // num_mb
+        mb = pid % num_mb
+        if CAUSAL:
+            mb = num_mb - 1 - mb
+        b = bh // HQ
+        hq = bh % HQ
+        hkv = hq // GROUP
+        m0 = mb * BLOCK_M
+
+        # Key blocks: n_total visited, the first n_full of them need no mask.
+        if CAUSAL:
+            hi = gl.minimum(M, m0 + BLOCK_M + (M - N))
+            n_total = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
+            n_full = gl.minimum(gl.maximum(m0 + (M - N) + 1, 0) // BLOCK_N, M // BLOCK_N)
+        else:
+            n_total = gl.cdiv(M, BLOCK_N)
+            n_full = M // BLOCK_N
+
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
+        q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
+        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(2):
+            mbarrier.init(q_bars.index(c), count=1)
+            mbarrier.init(turn_bars.index(c), count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(k_full.index(s), count=1)
+            mbarrier.init(v_full.index(s), count=1)
+            mbarrier.init(k_empty.index(s), count=2)
+            mbarrier.init(v_empty.index(s), count=2)
+        fence_async_shared()
+
+        gl.warp_specialize([
+            (_fa_consumer0, (q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty, turn_bars, o_desc,
+                             lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, qk_scale, CAUSAL, PINGPONG, HALF, BLOCK_N,
+                             HEAD_DIM, STAGES)),
+            (_fa_consumer1, (q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty, turn_bars, o_desc,
+                             lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, qk_scale, CAUSAL, PINGPONG, HALF, BLOCK_N,
+                             HEAD_DIM, STAGES)),
+            (_fa_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty,
+                            b, hq, hkv, m0, n_total, HALF, BLOCK_N, HEAD_DIM, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    return _fa_fwd_kernel
+
+
+def _get_kernel():
+    global _KERNEL, _BUILD_ERROR
+    if _KERNEL is None and _BUILD_ERROR is None:
+        try:
+            _KERNEL = _build_kernel()
+        except Exception as e:  # e.g. a Triton whose Gluon lacks an API used here
+            _BUILD_ERROR = e
+    return _KERNEL
+
+
+def _descs(q, k, v, o, block_n):
+    import torch
+    import triton.experimental.gluon.language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[q.dtype]
+    D = q.shape[-1]
+
+    def desc(t, rows):
+        block = [1, 1, rows, D]
+        layout = gl.NVMMASharedLayout.get_default_for(block, gdt)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+    return desc(q, HALF_M), desc(k, block_n), desc(v, block_n), desc(o, HALF_M)
+
+
+def _tma_ready(t):
+    """t as a tensor TMA can address: last dim contiguous, 16-byte aligned base and strides."""
+    es = t.element_size()
+    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s in t.stride()[:-1])
+    return t if ok else t.contiguous()
+
+
+def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong: bool | None = None,
+            block_n: int | None = None, stages: int | None = None):
+    """FlashAttention forward on Hopper: returns (o, lse) with o like q and lse float32 (B, Hq, N).
+
+    ``scale`` defaults to 1/sqrt(D). ``pingpong``, ``block_n`` and ``stages`` are tuning knobs (the
+    defaults come from :func:`_config`)."""
+    import torch
+
+    kernel = _get_kernel()
+    if kernel is None:
+        raise RuntimeError(f"Gluon Hopper forward unavailable: {_BUILD_ERROR!r}")
+    B, Hq, N, D = q.shape
+    Bk, Hkv, M, Dk = k.shape
+    assert v.shape == k.shape and Bk == B and Dk == D and Hq % Hkv == 0
+    assert D in (64, 128) and q.dtype in (torch.float16, torch.bfloat16)
+    assert k.dtype == q.dtype and v.dtype == q.dtype
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    assert scale > 0, "the kernel takes row maxima of unscaled scores: scale must be positive"
+    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    o = torch.empty((B, Hq, N, D), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, Hq, N), device=q.device, dtype=torch.float32)
+    if B * Hq * N == 0:
+        return o, lse
+    if M == 0:
+        o.zero_()
+        lse.fill_(-math.inf)
+        return o, lse
+    cfg_n, cfg_stages, cfg_pp = _config(D)
+    block_n = block_n or cfg_n
+    stages = stages or cfg_stages
+    pingpong = cfg_pp if pingpong is None else pingpong
+    q_desc, k_desc, v_desc, o_desc = _descs(q, k, v, o, block_n)
+    grid = (triton_cdiv(N, BLOCK_M) * B * Hq, )
+    kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, Hq, Hq // Hkv, N, M, float(scale) * 1.4426950408889634,
+                 HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), PINGPONG=bool(pingpong),
+                 PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
+    return o, lse
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
