@@ -259,26 +259,6 @@ def _build_kernel():
 
 
     @gluon.jit
-    def _fa_consumer0(q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty, turn_bars, o_desc, lse_ptr,
-                      b, hq, bh, m0, N, M, n_full, n_total, qk_scale,
-                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                      HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-        _fa_consumer(q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty, turn_bars, o_desc, lse_ptr,
-                     b, hq, bh, m0, N, M, n_full, n_total, qk_scale, 0, CAUSAL, PINGPONG, HALF, BLOCK_N, HEAD_DIM,
-                     STAGES)
-
-
-    @gluon.jit
-    def _fa_consumer1(q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty, turn_bars, o_desc, lse_ptr,
-                      b, hq, bh, m0, N, M, n_full, n_total, qk_scale,
-                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                      HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-        _fa_consumer(q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty, turn_bars, o_desc, lse_ptr,
-                     b, hq, bh, m0, N, M, n_full, n_total, qk_scale, 1, CAUSAL, PINGPONG, HALF, BLOCK_N, HEAD_DIM,
-                     STAGES)
-
-
-    @gluon.jit
     def _fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                        HQ, GROUP, N, M, qk_scale,
                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -332,12 +312,12 @@ def _build_kernel():
         fence_async_shared()
 
         gl.warp_specialize([
-            (_fa_consumer0, (q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty, turn_bars, o_desc,
-                             lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, qk_scale, CAUSAL, PINGPONG, HALF, BLOCK_N,
-                             HEAD_DIM, STAGES)),
-            (_fa_consumer1, (q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty, turn_bars, o_desc,
-                             lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, qk_scale, CAUSAL, PINGPONG, HALF, BLOCK_N,
-                             HEAD_DIM, STAGES)),
+            (_fa_consumer, (q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty, turn_bars, o_desc,
+                            lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, qk_scale, 0, CAUSAL, PINGPONG, HALF,
+                            BLOCK_N, HEAD_DIM, STAGES)),
+            (_fa_consumer, (q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty, turn_bars, o_desc,
+                            lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, qk_scale, 1, CAUSAL, PINGPONG, HALF,
+                            BLOCK_N, HEAD_DIM, STAGES)),
             (_fa_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty,
                             b, hq, hkv, m0, n_total, HALF, BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -371,13 +351,6 @@ def _descs(q, k, v, o, block_n):
     return desc(q, HALF_M), desc(k, block_n), desc(v, block_n), desc(o, HALF_M)
 
 
-def _tma_ready(t):
-    """t as a tensor TMA can address: last dim contiguous, 16-byte aligned base and strides."""
-    es = t.element_size()
-    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s in t.stride()[:-1])
-    return t if ok else t.contiguous()
-
-
 def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong: bool | None = None,
             block_n: int | None = None, stages: int | None = None):
     """FlashAttention forward on Hopper: returns (o, lse) with o like q and lse float32 (B, Hq, N).
@@ -385,6 +358,9 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     ``scale`` defaults to 1/sqrt(D). ``pingpong``, ``block_n`` and ``stages`` are tuning knobs (the
     defaults come from :func:`_config`)."""
     import torch
+
+    from flashattn._triton import ceil_div, describable
+    from flashattn.constants import LOG2E
 
     kernel = _get_kernel()
     if kernel is None:
@@ -397,7 +373,8 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     assert scale > 0, "the kernel takes row maxima of unscaled scores: scale must be positive"
-    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    # TMA addresses the tensors in place when the head dim is contiguous and the start and strides are 16-byte aligned
+    q, k, v = (x if describable(x) else x.contiguous() for x in (q, k, v))
     o = torch.empty((B, Hq, N, D), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, Hq, N), device=q.device, dtype=torch.float32)
     if B * Hq * N == 0:
@@ -411,12 +388,8 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     stages = stages or cfg_stages
     pingpong = cfg_pp if pingpong is None else pingpong
     q_desc, k_desc, v_desc, o_desc = _descs(q, k, v, o, block_n)
-    grid = (triton_cdiv(N, BLOCK_M) * B * Hq, )
-    kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, Hq, Hq // Hkv, N, M, float(scale) * 1.4426950408889634,
+    grid = (ceil_div(N, BLOCK_M) * B * Hq, )
+    kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, Hq, Hq // Hkv, N, M, float(scale) * LOG2E,
                  HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), PINGPONG=bool(pingpong),
                  PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
     return o, lse
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
