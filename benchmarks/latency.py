@@ -34,9 +34,10 @@ the compiled modes), run once and calibrated, and then the timed loops take turn
 provider in each of the ``repeats`` rounds, so a host whose speed drifts during the section moves the
 figures compared at a shape together. (On the H200 machines the same loops were seen to run 1.5-1.7x
 slower for seconds at a time, or for a whole run, every provider at once, while flashattn's eager
-forward over SDPA flash's, taken in turns, held at 1.31-1.45.) Dynamo's caches are reset at the start of each compiled mode; the
-providers' compiled functions then live side by side, each with a code object of its own
-(:func:`benchmarks.providers.own_code`), so no provider is ever handed another's graph.
+forward over SDPA flash's, taken in turns, held at 1.31-1.45.) Dynamo's caches are reset at the
+start of each compiled mode; the providers' compiled functions then live side by side, each with a
+code object of its own (:func:`benchmarks.providers.own_code`), so no provider is ever handed
+another's graph.
 """
 
 from __future__ import annotations
