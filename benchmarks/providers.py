@@ -105,6 +105,24 @@ class FlashAttn(Provider):
         return LatencyParts(inner)
 
 
+class FlashAttnPortable(FlashAttn):
+    """flashattn.attention with the Hopper kernels in Gluon turned off (flashattn._config.tuning(gluon=False)): the portable Triton kernels alone, for A/B runs on sm_90; elsewhere the same as flashattn. Not in the default run."""
+
+    name, label, ours = "flashattn_portable", "flashattn, portable kernels only", False
+
+    def prepare(self, setting, device):
+        from flashattn import _config
+
+        inner = super().prepare(setting, device)
+
+        def fn(q, k, v):
+            with _config.tuning(gluon=False):  # the autograd function keeps it for the backward
+                return inner(q, k, v)
+
+        fn.gqa = inner.gqa
+        return fn
+
+
 class SDPA(Provider):
     """torch.nn.functional.scaled_dot_product_attention restricted to one backend by torch.nn.attention.sdpa_kernel; GQA by enable_gqa=True where the backend takes it, else K/V repeated."""
 
@@ -274,6 +292,7 @@ PROVIDERS = {
     p.name: p
     for p in (
         FlashAttn(),
+        FlashAttnPortable(),
         SDPA("sdpa_flash", "SDPA flash (FlashAttention 2)", "FLASH_ATTENTION"),
         SDPA("sdpa_cudnn", "SDPA cuDNN", "CUDNN_ATTENTION"),
         SDPA("sdpa_efficient", "SDPA memory-efficient", "EFFICIENT_ATTENTION"),

@@ -162,12 +162,14 @@ class Tuning:
     ``configs`` maps a kernel name to the configuration to launch it with; ``heads_per_group`` caps the
     causal launch order's group (the largest divisor of B * H up to it is used); ``overlap_dq`` lets
     the dQ kernel run beside dK/dV on a second stream (the default; only problems large enough for it
-    to pay use it, :func:`flashattn.backward.worth_a_second_stream`) or always after it.
+    to pay use it, :func:`flashattn.backward.worth_a_second_stream`) or always after it; ``gluon``
+    lets the Hopper kernels in Gluon replace the portable ones where :func:`gluon_kernel` says so.
     """
 
     configs: dict = field(default_factory=dict)
     heads_per_group: int | None = None
     overlap_dq: bool = True
+    gluon: bool = True  # the Hopper kernels in Gluon where they apply (:func:`gluon_kernel`)
 
 
 _DEFAULT_TUNING = Tuning()
@@ -201,18 +203,64 @@ class tuning_of:
 
 @contextlib.contextmanager
 def tuning(*, fwd: KernelConfig | None = None, bwd_dkdv: KernelConfig | None = None,
-           bwd_dq: KernelConfig | None = None, heads_per_group: int | None = None, overlap_dq: bool = True):
+           bwd_dq: KernelConfig | None = None, heads_per_group: int | None = None, overlap_dq: bool = True,
+           gluon: bool = True):
     """Pin launch choices for the calls inside the ``with`` block, and restore the previous ones after.
 
-    ``with tuning(fwd=KernelConfig(128, 64, 8, 3)): ...`` times one tile without touching the table.
+    ``with tuning(fwd=KernelConfig(128, 64, 8, 3)): ...`` times one tile without touching the table;
+    ``with tuning(gluon=False): ...`` runs the portable Triton kernels where Gluon ones would run.
     """
     pinned = {name: cfg for name, cfg in (("fwd", fwd), ("bwd_dkdv", bwd_dkdv), ("bwd_dq", bwd_dq))
               if cfg is not None}
-    token = _TUNING.set(Tuning(pinned, heads_per_group, overlap_dq))
+    token = _TUNING.set(Tuning(pinned, heads_per_group, overlap_dq, gluon))
     try:
         yield
     finally:
         _TUNING.reset(token)
+
+
+# --8<-- [start:gluon-dispatch]
+# The Hopper kernels in Gluon (flashattn.hopper_fwd, flashattn.hopper_bwd): head dims they are built
+# for and beat the portable kernels at (measured on an H200, tuning log "Gluon kernels dispatched").
+GLUON_HEAD_DIMS = {"fwd": (128,), "bwd_dkdv": (128,)}
+# B * Hq * N * M * D below which the portable kernels run: a Gluon launch goes through Triton's own
+# Python launch path (tens of microseconds of host time), and no recipe replays it, so it only runs
+# where the GPU work hides that (about 0.1 ms of forward at 2^34). Every cell of the benchmark grid
+# (16k tokens, 2048 hidden) is at or above it.
+GLUON_MIN_WORK = 2**34
+_GLUON: dict = {}  # (kernel, problem, device index) -> whether the Gluon kernel runs it
+
+
+def gluon_kernel(kernel: str, problem: Problem, device: torch.device) -> bool:
+    """Whether the Hopper kernel in Gluon runs ``kernel`` ("fwd" or "bwd_dkdv") for ``problem``.
+
+    Only plain attention (no variant, no packing) with a positive scale, at a head dim of
+    :data:`GLUON_HEAD_DIMS`, with at least :data:`GLUON_MIN_WORK`, on an sm_90 GPU whose Triton is 3.6
+    (the Gluon the kernels are written for), and never when a :func:`tuning` pins this kernel's tile
+    or turns Gluon off. The answer is kept per problem and device."""
+    t = _TUNING.get()
+    if not t.gluon or kernel in t.configs or device.type != "cuda":
+        return False
+    key = (kernel, problem, device.index)
+    found = _GLUON.get(key)
+    if found is None:
+        p = problem
+        found = _GLUON[key] = (
+            kernel in GLUON_HEAD_DIMS and p.head_dim in GLUON_HEAD_DIMS[kernel] and not is_interpreter()
+            and not (p.varlen or p.window is not None or p.softcap or p.alibi or p.dropout_p) and p.scale > 0
+            and p.batch * p.heads_q * p.n * p.m * p.head_dim >= GLUON_MIN_WORK
+            and _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
+            and _gluon_available(kernel))
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_available(kernel: str) -> bool:
+    import importlib  # the kernel modules import Gluon only when asked to build
+
+    module = importlib.import_module("flashattn.hopper_fwd" if kernel == "fwd" else "flashattn.hopper_bwd")
+    return module.available()
+# --8<-- [end:gluon-dispatch]
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashattn import _config
+from flashattn import _config, hopper_bwd
 from flashattn._triton import (
     LOG2E,
     Descriptors,
@@ -465,7 +465,10 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
     # A repeated call replays the first one's launches with its own tensors (as in the forward). With
     # the second stream for dQ (large problems only) every call takes the full path.
     overlap = _config.current_tuning().overlap_dq and q.is_cuda and worth_a_second_stream(p)
-    key = None if p.varlen or overlap else (
+    # dK/dV by the Hopper kernel in Gluon (large plain problems on sm_90): launched through Triton's
+    # own path, which a recipe cannot replay, so such calls take the full path too
+    gluon_dkdv = not p.varlen and _config.gluon_kernel("bwd_dkdv", p, q.device)
+    key = None if p.varlen or overlap or gluon_dkdv else (
         p, q.device, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(), lse.stride(),
         dlse is not None and dlse.stride(), alibi_slopes is not None and alibi_slopes.dim(),
         (k is q, v is q, v is k))
@@ -505,7 +508,10 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
 
     desc = Descriptors(p.block_d)  # shared by the two kernels where their tiles agree
 
-    def run_dkdv(plan: _config.Plan, record=None):
+    def run_dkdv(plan: _config.Plan | None, record=None):
+        if plan is None:  # the Hopper kernel in Gluon, whose tiles are its own
+            hopper_bwd.dkdv(q, k, v, do, lse2, delta, dk_view, dv_view, p.causal, p.scale)
+            return
         cfg = plan.config
         offsets = tile_offsets(cu_k, cfg.block_n) if p.varlen else delta
         args = (desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(do, cfg.block_m),
@@ -532,7 +538,8 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
         plan_dq = _config.plan_for("bwd_dq", p, device, _config.get_config("bwd_dq", p, device))
     else:
         # autotuning (opt-in) times candidate configs through the same launches
-        plan_dkdv = _config.plan("bwd_dkdv", p, device, lambda c: run_dkdv(_config.plan_for("bwd_dkdv", p, device, c)))
+        plan_dkdv = None if gluon_dkdv else _config.plan(
+            "bwd_dkdv", p, device, lambda c: run_dkdv(_config.plan_for("bwd_dkdv", p, device, c)))
         plan_dq = _config.plan("bwd_dq", p, device, lambda c: run_dq(_config.plan_for("bwd_dq", p, device, c)))
     if overlap:
         # The two kernels read the same inputs and write disjoint outputs, so they may run side by

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashattn import _config
+from flashattn import _config, hopper_fwd
 from flashattn._triton import (
     LN2,
     LOG2E,
@@ -252,6 +252,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem
         o, lse = attention_forward(q.float(), k.float(), v.float(), problem, alibi_slopes, seed, packing)
         return o.to(q.dtype), lse
     p = problem
+    if not p.varlen and _config.gluon_kernel("fwd", p, q.device):
+        # the Hopper forward in Gluon (large plain problems on sm_90; flashattn._config.gluon_kernel)
+        q, k, v = (addressable(x) for x in (q, k, v))
+        return hopper_fwd.forward(q, k, v, p.causal, p.scale, out=dense_like(q))
     # A call with the key of an earlier one (the problem, device, layouts, which of q, k, v are one
     # tensor, as in self-attention of x with itself) repeats that call's launches
     # with its own tensors: no config lookup, descriptor object or argument binding (flashattn._triton.Recipe).

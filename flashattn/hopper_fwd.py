@@ -55,7 +55,8 @@ def _config(head_dim: int):
     return 128, 2, False       # Q 32 KB + 2 * (32 + 32) KB = 160 KB
 
 
-def _triton_version_ok() -> bool:
+def triton_version_ok() -> bool:
+    """Whether the installed Triton is 3.6, the version whose Gluon these kernels are written for."""
     try:
         import triton
     except Exception:
@@ -87,9 +88,14 @@ def supported(q, k, v, causal: bool = False) -> bool:
             return False
         if torch.cuda.get_device_capability(q.device) != (9, 0):
             return False
-        return _triton_version_ok() and _get_kernel() is not None
+        return available()
     except Exception:
         return False
+
+
+def available() -> bool:
+    """Whether the kernel can be built with the Triton installed here (Gluon of Triton 3.6)."""
+    return triton_version_ok() and _get_kernel() is not None
 
 
 def _build_kernel():
@@ -335,28 +341,26 @@ def _get_kernel():
     return _KERNEL
 
 
-def _descs(q, k, v, o, block_n):
+def descriptor(t, rows: int):
+    """A Gluon TMA descriptor of the 4-d tensor ``t`` (B, H, L, D) read in [1, 1, rows, D] tiles, with
+    its own strides (the head dim must be contiguous and the other strides 16-byte aligned)."""
     import torch
     import triton.experimental.gluon.language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[q.dtype]
-    D = q.shape[-1]
-
-    def desc(t, rows):
-        block = [1, 1, rows, D]
-        layout = gl.NVMMASharedLayout.get_default_for(block, gdt)
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-    return desc(q, HALF_M), desc(k, block_n), desc(v, block_n), desc(o, HALF_M)
+    gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[t.dtype]
+    block = [1, 1, rows, t.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gdt)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
 def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong: bool | None = None,
-            block_n: int | None = None, stages: int | None = None):
+            block_n: int | None = None, stages: int | None = None, out=None):
     """FlashAttention forward on Hopper: returns (o, lse) with o like q and lse float32 (B, Hq, N).
 
     ``scale`` defaults to 1/sqrt(D). ``pingpong``, ``block_n`` and ``stages`` are tuning knobs (the
-    defaults come from :func:`_config`)."""
+    defaults come from :func:`_config`). ``out``, when given, receives o: any (B, Hq, N, D) tensor of
+    q's dtype whose head dim is contiguous, such as one laid out like q."""
     import torch
 
     from flashattn._triton import ceil_div, describable
@@ -375,7 +379,7 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     assert scale > 0, "the kernel takes row maxima of unscaled scores: scale must be positive"
     # TMA addresses the tensors in place when the head dim is contiguous and the start and strides are 16-byte aligned
     q, k, v = (x if describable(x) else x.contiguous() for x in (q, k, v))
-    o = torch.empty((B, Hq, N, D), device=q.device, dtype=q.dtype)
+    o = torch.empty((B, Hq, N, D), device=q.device, dtype=q.dtype) if out is None else out
     lse = torch.empty((B, Hq, N), device=q.device, dtype=torch.float32)
     if B * Hq * N == 0:
         return o, lse
@@ -387,7 +391,8 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     block_n = block_n or cfg_n
     stages = stages or cfg_stages
     pingpong = cfg_pp if pingpong is None else pingpong
-    q_desc, k_desc, v_desc, o_desc = _descs(q, k, v, o, block_n)
+    q_desc, k_desc, v_desc, o_desc = (descriptor(q, HALF_M), descriptor(k, block_n), descriptor(v, block_n),
+                                      descriptor(o, HALF_M))
     grid = (ceil_div(N, BLOCK_M) * B * Hq, )
     kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, Hq, Hq // Hkv, N, M, float(scale) * LOG2E,
                  HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), PINGPONG=bool(pingpong),

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flashattn
+from flashattn import _config
 from flashattn.backward import attention_backward
 from flashattn.forward import attention_forward
 from flashattn.problem import Problem
@@ -766,7 +767,47 @@ def test_gpu_autotuned_path(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-# -- the Hopper forward in Gluon (flashattn.hopper_fwd, not dispatched yet) ----------------------------
+# -- the Hopper kernels in Gluon (flashattn.hopper_fwd, flashattn.hopper_bwd) ---------------------------
+
+
+def _on_hopper(monkeypatch):
+    """Make flashattn._config.gluon_kernel see an sm_90 GPU with Gluon available, on any machine."""
+    monkeypatch.setattr(_config, "is_interpreter", lambda: False)
+    monkeypatch.setattr(_config, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(_config, "_gluon_available", lambda kernel: True)
+    monkeypatch.setattr(_config, "_GLUON", {})
+
+
+def _problem(b=1, h_q=8, h_kv=8, n=4096, m=4096, d=128, causal=True, **variants):
+    q = torch.empty((b, h_q, n, d), dtype=torch.float16, device="meta")
+    k = torch.empty((b, h_kv, m, d), dtype=torch.float16, device="meta")
+    return Problem.of(q, k, causal, **variants)
+
+
+def test_gluon_kernels_run_only_where_the_rule_says(monkeypatch):
+    """The dispatch rule: plain attention on sm_90 at a head dim the Gluon kernel is built for, with
+    at least GLUON_MIN_WORK; never for a variant, packed sequences, a CPU tensor, a pinned tile or
+    with Gluon turned off. (The capability and Gluon's presence are faked: this runs on any machine.)"""
+    _on_hopper(monkeypatch)
+    gpu0 = torch.device("cuda", 0)
+    big = _problem()  # 1 * 8 * 4096 * 4096 * 128 = 2^34
+    assert big.batch * big.heads_q * big.n * big.m * big.head_dim == _config.GLUON_MIN_WORK
+    assert _config.gluon_kernel("fwd", big, gpu0) and _config.gluon_kernel("bwd_dkdv", big, gpu0)
+    assert not _config.gluon_kernel("bwd_dq", big, gpu0)  # dQ stays the portable kernel
+    assert not _config.gluon_kernel("fwd", big, torch.device("cpu"))
+    assert not _config.gluon_kernel("fwd", _problem(n=4095), gpu0)  # just below the work bar
+    for d in (64, 72, 96, 256):
+        assert not _config.gluon_kernel("bwd_dkdv", _problem(d=d, n=8192), gpu0)
+    for variant in (dict(window=(128, 0)), dict(softcap=30.0), dict(alibi=True), dict(dropout_p=0.1)):
+        assert not _config.gluon_kernel("fwd", _problem(**variant), gpu0), variant
+        assert not _config.gluon_kernel("bwd_dkdv", _problem(**variant), gpu0), variant
+    with _config.tuning(gluon=False):
+        assert not _config.gluon_kernel("fwd", big, gpu0)
+    with _config.tuning(fwd=_config.KernelConfig(128, 64, 4, 2)):
+        assert not _config.gluon_kernel("fwd", big, gpu0) and _config.gluon_kernel("bwd_dkdv", big, gpu0)
+    monkeypatch.setattr(_config, "_capability", lambda index: (8, 0))
+    monkeypatch.setattr(_config, "_GLUON", {})
+    assert not _config.gluon_kernel("fwd", big, gpu0)  # Ampere: the portable kernels
 
 
 def test_hopper_forward_is_never_supported_off_hopper():
@@ -800,3 +841,60 @@ def test_hopper_forward_matches_float64(dtype, d, b, h_q, h_kv, n, m, causal, la
     o16, lse16 = naive_attention(q, k, v, causal=causal)
     assert_close_ratio("o", o, o64, o16)
     assert_close_ratio("lse", lse, lse64, lse16.float())
+
+
+def _gluon_dispatched(q, k, causal):
+    problem = Problem.of(q, k, causal)
+    return {kernel: _config.gluon_kernel(kernel, problem, q.device) for kernel in ("fwd", "bwd_dkdv")}
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("b, h_q, h_kv, n, m, causal, layout, std", [
+    (2, 4, 4, 1000, 1000, False, "bhnd", 1.0),
+    (2, 4, 4, 300, 777, True, "bhnd", 1.0),  # N < M: every query also sees the prefix
+    (2, 4, 2, 777, 300, True, "bnhd", 1.0),  # GQA, N > M: the first 477 rows see no key
+    (1, 8, 2, 1024, 1024, True, "bhnd", 3.0),  # large logits
+    (1, 6, 1, 130, 3, False, "bnhd", 1.0),  # multi-query, three keys
+    (1, 2, 2, 64, 200, True, "bhnd", 1.0),  # one query block, ragged key blocks
+])
+def test_gluon_kernels_match_float64(monkeypatch, dtype, d, b, h_q, h_kv, n, m, causal, layout, std):
+    """The package's forward and backward with the Gluon kernels dispatched at every size (the work
+    bar lowered to 0) against float64: ragged N != M, empty causal rows, GQA, transposed layouts."""
+    monkeypatch.setattr(_config, "GLUON_MIN_WORK", 0)
+    monkeypatch.setattr(_config, "GLUON_HEAD_DIMS", {"fwd": (128,), "bwd_dkdv": (64, 128)})  # D = 64 built, not dispatched
+    monkeypatch.setattr(_config, "_GLUON", {})
+    q, k, v, do = _inputs(b, h_q, h_kv, n, m, d, dtype, layout=layout, std=std, seed=n + m + d)
+    dispatched = _gluon_dispatched(q, k, causal)
+    if not dispatched["bwd_dkdv"]:
+        pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
+    assert dispatched["fwd"] == (d == 128)  # the forward is built for D = 64 too, and tested above
+    _, (o, lse, dq, dk, dv) = _check_against_reference(q, k, v, do, causal, d ** -0.5)
+    _empty_rows_are_zero(causal, n, m, o, lse, dq)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_kernels_at_the_default_bar_match_float64_and_repeat_bitwise(causal):
+    """At the real dispatch bar (2^34 of work) the public API runs the Gluon kernels: float64 check,
+    two backward passes bitwise equal, and the same bits under a CUDA graph."""
+    q, k, v, do = _inputs(1, 8, 2, 4096, 4096, 128, torch.bfloat16, seed=23)
+    if not all(_gluon_dispatched(q, k, causal).values()):
+        pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
+    _check_against_reference(q, k, v, do, causal, 128 ** -0.5)
+    problem = Problem.of(q, k, causal)
+    o, lse = attention_forward(q, k, v, problem)
+    first = attention_backward(do, q, k, v, o, lse, problem)
+    second = attention_backward(do, q, k, v, o, lse, problem)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        og, lseg = attention_forward(q, k, v, problem)
+        grads = attention_backward(do, q, k, v, og, lseg, problem)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(og, o) and torch.equal(lseg, lse)
+    assert all(torch.equal(a, b) for a, b in zip(grads, first))
