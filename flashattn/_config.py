@@ -223,11 +223,13 @@ def tuning(*, fwd: KernelConfig | None = None, bwd_dkdv: KernelConfig | None = N
 # The Hopper kernels in Gluon (flashattn.hopper_fwd, flashattn.hopper_bwd): head dims they are built
 # for and beat the portable kernels at (measured on an H200, tuning log "Gluon kernels dispatched").
 GLUON_HEAD_DIMS = {"fwd": (128,), "bwd_dkdv": (128,)}
-# B * Hq * N * M * D below which the portable kernels run: a Gluon launch goes through Triton's own
-# Python launch path (tens of microseconds of host time), and no recipe replays it, so it only runs
-# where the GPU work hides that (about 0.1 ms of forward at 2^34). Every cell of the benchmark grid
-# (16k tokens, 2048 hidden) is at or above it.
-GLUON_MIN_WORK = 2**34
+# B * Hq * N * M * D below which the portable kernels run. A Gluon launch takes the launcher's direct
+# path but no recipe replays it, and the six descriptors of the Gluon dK/dV launch are made afresh at
+# every call: measured on an H200 (bf16, D = 128, tuning log "Gluon kernels dispatched"), forward +
+# backward at 2^34 (B * H = 128, N = 1024) took 1204 us with them against 1065 us without, though
+# each of their kernels was faster, and at 2^35 (B * H = 64, N = 2048) 1229 against 1313 us. Every
+# cell of the benchmark grid (16k tokens, 2048 hidden) from N = 1024 up is at or above it.
+GLUON_MIN_WORK = 2**35
 _GLUON: dict = {}  # (kernel, problem, device index) -> whether the Gluon kernel runs it
 
 

@@ -465,10 +465,7 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
     # A repeated call replays the first one's launches with its own tensors (as in the forward). With
     # the second stream for dQ (large problems only) every call takes the full path.
     overlap = _config.current_tuning().overlap_dq and q.is_cuda and worth_a_second_stream(p)
-    # dK/dV by the Hopper kernel in Gluon (large plain problems on sm_90): launched through Triton's
-    # own path, which a recipe cannot replay, so such calls take the full path too
-    gluon_dkdv = not p.varlen and _config.gluon_kernel("bwd_dkdv", p, q.device)
-    key = None if p.varlen or overlap or gluon_dkdv else (
+    key = None if p.varlen or overlap else (
         p, q.device, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(), lse.stride(),
         dlse is not None and dlse.stride(), alibi_slopes is not None and alibi_slopes.dim(),
         (k is q, v is q, v is k))
@@ -476,7 +473,10 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
     replayed = replay(key, inputs, free)
     if replayed is not None:
         return replayed[:3]
-    record = recording(key)
+    # dK/dV by the Hopper kernel in Gluon (large plain problems on sm_90, _config.gluon_kernel): a
+    # recipe does not record its launch, so such a call is never recorded and always takes this path
+    gluon_dkdv = not p.varlen and _config.gluon_kernel("bwd_dkdv", p, q.device)
+    record = None if gluon_dkdv else recording(key)
     if p.varlen:
         dq, dk, dv = dense_like(q), dense_like(k), dense_like(v)
         if p.total_q == 0 or p.total_k == 0:  # no query sees a key: every gradient is zero

@@ -252,10 +252,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem
         o, lse = attention_forward(q.float(), k.float(), v.float(), problem, alibi_slopes, seed, packing)
         return o.to(q.dtype), lse
     p = problem
-    if not p.varlen and _config.gluon_kernel("fwd", p, q.device):
-        # the Hopper forward in Gluon (large plain problems on sm_90; flashattn._config.gluon_kernel)
-        q, k, v = (addressable(x) for x in (q, k, v))
-        return hopper_fwd.forward(q, k, v, p.causal, p.scale, out=dense_like(q))
     # A call with the key of an earlier one (the problem, device, layouts, which of q, k, v are one
     # tensor, as in self-attention of x with itself) repeats that call's launches
     # with its own tensors: no config lookup, descriptor object or argument binding (flashattn._triton.Recipe).
@@ -265,6 +261,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem
     replayed = replay(key, inputs, free)
     if replayed is not None:
         return replayed
+    if not p.varlen and _config.gluon_kernel("fwd", p, q.device):
+        # the Hopper forward in Gluon (large plain problems on sm_90, flashattn._config.gluon_kernel);
+        # never recorded, so no recipe ever stands for it
+        q, k, v = (addressable(x) for x in (q, k, v))
+        return hopper_fwd.forward(q, k, v, p.causal, p.scale, out=dense_like(q))
     record = recording(key)
     if p.varlen:
         o = dense_like(q)

@@ -273,10 +273,10 @@ def dkdv(q, k, v, do, lse2, delta, dk, dv, causal: bool, scale: float, stages: i
     _, Hkv, M, _ = k.shape
     assert D in HEAD_DIMS and scale > 0
     describe = hopper_fwd.descriptor
-    grid = (ceil_div(M, BLOCK_N) * B * Hkv, )
-    kernel[grid](describe(q, BLOCK_M), describe(k, HALF_N), describe(v, HALF_N), describe(do, BLOCK_M),
-                 describe(dk, HALF_N), describe(dv, HALF_N), lse2, delta,
-                 Hq, Hkv, Hq // Hkv, N, M, float(scale) * LOG2E, float(scale),
-                 HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages or STAGES, CAUSAL=bool(causal),
-                 OVERLAP=OVERLAP if overlap is None else bool(overlap),
-                 PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
+    hopper_fwd.launch(kernel, ceil_div(M, BLOCK_N) * B * Hkv,
+                      (describe(q, BLOCK_M), describe(k, HALF_N), describe(v, HALF_N), describe(do, BLOCK_M),
+                       describe(dk, HALF_N), describe(dv, HALF_N), lse2, delta,
+                       Hq, Hkv, Hq // Hkv, N, M, float(scale) * LOG2E, float(scale)),
+                      dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages or STAGES, CAUSAL=bool(causal),
+                           OVERLAP=OVERLAP if overlap is None else bool(overlap),
+                           PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS))

@@ -32,6 +32,7 @@ Importing this module never imports Gluon: the kernel is defined the first time 
 
 from __future__ import annotations
 
+import functools
 import math
 
 BLOCK_M = 128          # query rows per CTA (two consumer warpgroups of 64 rows)
@@ -344,14 +345,30 @@ def _get_kernel():
 def descriptor(t, rows: int):
     """A Gluon TMA descriptor of the 4-d tensor ``t`` (B, H, L, D) read in [1, 1, rows, D] tiles, with
     its own strides (the head dim must be contiguous and the other strides 16-byte aligned)."""
-    import torch
-    import triton.experimental.gluon.language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[t.dtype]
     block = [1, 1, rows, t.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gdt)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _shared_layout(rows, t.shape[-1], t.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(rows: int, head_dim: int, dtype):
+    """The shared-memory layout (swizzle) of a [1, 1, rows, head_dim] tile: the same for every call."""
+    import torch
+    import triton.experimental.gluon.language as gl
+
+    gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gdt)
+
+
+def launch(kernel, grid: int, args: tuple, constexprs: dict, warps: int = 4) -> None:
+    """Launch a Gluon kernel of this module or :mod:`flashattn.hopper_bwd` through the package's
+    launcher (:func:`flashattn._triton.launch`): after its first call with a signature, the compiled
+    kernel is called directly, without ``kernel[grid](...)``'s binding and specialization of every
+    argument (which costs a Gluon launch about 140 µs of host time on an H200 host)."""
+    from flashattn._triton import launch as launch_compiled
+
+    launch_compiled(kernel, grid, args, constexprs, dict(num_warps=warps, maxnreg=MAXNREG))
 
 
 def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong: bool | None = None,
@@ -393,8 +410,8 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     pingpong = cfg_pp if pingpong is None else pingpong
     q_desc, k_desc, v_desc, o_desc = (descriptor(q, HALF_M), descriptor(k, block_n), descriptor(v, block_n),
                                       descriptor(o, HALF_M))
-    grid = (ceil_div(N, BLOCK_M) * B * Hq, )
-    kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, Hq, Hq // Hkv, N, M, float(scale) * LOG2E,
-                 HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), PINGPONG=bool(pingpong),
-                 PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
+    launch(kernel, ceil_div(N, BLOCK_M) * B * Hq,
+           (q_desc, k_desc, v_desc, o_desc, lse, Hq, Hq // Hkv, N, M, float(scale) * LOG2E),
+           dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), PINGPONG=bool(pingpong),
+                PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS))
     return o, lse

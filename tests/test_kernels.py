@@ -778,7 +778,7 @@ def _on_hopper(monkeypatch):
     monkeypatch.setattr(_config, "_GLUON", {})
 
 
-def _problem(b=1, h_q=8, h_kv=8, n=4096, m=4096, d=128, causal=True, **variants):
+def _problem(b=2, h_q=8, h_kv=8, n=4096, m=4096, d=128, causal=True, **variants):
     q = torch.empty((b, h_q, n, d), dtype=torch.float16, device="meta")
     k = torch.empty((b, h_kv, m, d), dtype=torch.float16, device="meta")
     return Problem.of(q, k, causal, **variants)
@@ -790,7 +790,7 @@ def test_gluon_kernels_run_only_where_the_rule_says(monkeypatch):
     with Gluon turned off. (The capability and Gluon's presence are faked: this runs on any machine.)"""
     _on_hopper(monkeypatch)
     gpu0 = torch.device("cuda", 0)
-    big = _problem()  # 1 * 8 * 4096 * 4096 * 128 = 2^34
+    big = _problem()  # 2 * 8 * 4096 * 4096 * 128 = 2^35
     assert big.batch * big.heads_q * big.n * big.m * big.head_dim == _config.GLUON_MIN_WORK
     assert _config.gluon_kernel("fwd", big, gpu0) and _config.gluon_kernel("bwd_dkdv", big, gpu0)
     assert not _config.gluon_kernel("bwd_dq", big, gpu0)  # dQ stays the portable kernel
@@ -879,9 +879,10 @@ def test_gluon_kernels_match_float64(monkeypatch, dtype, d, b, h_q, h_kv, n, m, 
 @needs_cuda
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gluon_kernels_at_the_default_bar_match_float64_and_repeat_bitwise(causal):
-    """At the real dispatch bar (2^34 of work) the public API runs the Gluon kernels: float64 check,
-    two backward passes bitwise equal, and the same bits under a CUDA graph."""
-    q, k, v, do = _inputs(1, 8, 2, 4096, 4096, 128, torch.bfloat16, seed=23)
+    """At the real dispatch bar (2^35 of work) the public API runs the Gluon kernels: float64 check,
+    two backward passes bitwise equal, the same bits under a CUDA graph, and the launcher's direct
+    path still on after them."""
+    q, k, v, do = _inputs(2, 8, 2, 4096, 4096, 128, torch.bfloat16, seed=23)
     if not all(_gluon_dispatched(q, k, causal).values()):
         pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
     _check_against_reference(q, k, v, do, causal, 128 ** -0.5)
@@ -898,3 +899,6 @@ def test_gluon_kernels_at_the_default_bar_match_float64_and_repeat_bitwise(causa
     torch.cuda.synchronize()
     assert torch.equal(og, o) and torch.equal(lseg, lse)
     assert all(torch.equal(a, b) for a, b in zip(grads, first))
+    from flashattn import _triton
+
+    assert _triton._FAST_LAUNCH[0] and _triton._DIRECT[0]  # a Gluon launch never turned them off
