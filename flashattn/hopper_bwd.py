@@ -53,6 +53,7 @@ def _build_kernel():
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                    warpgroup_mma, warpgroup_mma_wait)
 
+    # --8<-- [start:gluon-dkdv-producer]
     @gluon.jit
     def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, full, empty,
                        b, hkv, n0, first_block, n_blocks, GROUP,
@@ -78,7 +79,9 @@ def _build_kernel():
                                             q_smem.index(s).reshape([1, 1, BLOCK_M, HEAD_DIM]))
             tma.async_copy_global_to_shared(do_desc, [b, hq, m0, 0], full.index(s),
                                             do_smem.index(s).reshape([1, 1, BLOCK_M, HEAD_DIM]))
+    # --8<-- [end:gluon-dkdv-producer]
 
+    # --8<-- [start:gluon-dkdv-step]
     @gluon.jit
     def _dkdv_step(t, m0, k_c, v_c, q_smem, do_smem, full, empty, dk, dv, lse2_ptr, delta_ptr, row_base,
                    key0, N, M, qk_scale,
@@ -129,6 +132,7 @@ def _build_kernel():
         dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, pt_op, dst_op))
         mbarrier.arrive(empty.index(s))
         return dk, dv
+    # --8<-- [end:gluon-dkdv-step]
 
     @gluon.jit
     def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, full, empty, dk_desc, dv_desc, lse2_ptr, delta_ptr,
@@ -224,6 +228,7 @@ def _build_kernel():
             mbarrier.init(empty.index(s), count=2)  # one arrive from each consumer
         fence_async_shared()
 
+        # --8<-- [start:gluon-dkdv-partitions]
         gl.warp_specialize([
             (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, full, empty, dk_desc, dv_desc, lse2_ptr,
                               delta_ptr, b, hkv, n0, first_block, mid_block, full_blocks, n_blocks, GROUP, HQ, N, M,
@@ -234,6 +239,7 @@ def _build_kernel():
             (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, full, empty,
                               b, hkv, n0, first_block, n_blocks, GROUP, HALF, BLOCK_M, HEAD_DIM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        # --8<-- [end:gluon-dkdv-partitions]
 
     return _dkdv_kernel
 

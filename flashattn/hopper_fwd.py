@@ -157,6 +157,7 @@ def _build_kernel():
         return p, alpha, m_new, l_new
 
 
+    # --8<-- [start:gluon-fwd-step]
     @gluon.jit
     def _fa_step(i, q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn_mine, turn_other,
                  m_i, l_i, p, acc, row0, M, q_off, qk_scale,
@@ -188,6 +189,7 @@ def _build_kernel():
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p = gl.convert_layout(p_new.to(q.dtype), p_layout)
         return m_i, l_i, p, acc
+    # --8<-- [end:gluon-fwd-step]
 
 
     @gluon.jit

@@ -438,6 +438,76 @@ def packing() -> str:
     return _svg(fig)
 
 
+def warpgroup_timeline() -> str:
+    """The Gluon dK/dV kernel's partitions on one SM, as a list schedule of the operations of
+    :func:`flashattn.hopper_bwd`'s step in their program order, with its ring depth (``STAGES``) and
+    its ``OVERLAP`` switch read from the module. Durations are units, not measurements: at D = 128 the
+    four products of a step have the same size (64 x 64 x 128 multiply-adds), so they get one unit
+    each; the exponentials and dS^T get less, a TMA tile load 0.8."""
+    from flashattn import hopper_bwd as hb
+
+    steps, mma, exp_t, ds_t, load_t = 3, 1.0, 0.6, 0.4, 0.8
+    ops = []  # (name, unit, duration, deps, owner, step)
+
+    def op(name, unit, duration, deps, owner, step):
+        ops.append((name, unit, duration, tuple(deps), owner, step))
+        return len(ops) - 1
+
+    loads = []
+    for t in range(steps):  # the producer's ring: tile t waits until both consumers finished step t - STAGES
+        loads.append(op("Q, dO", "tma", load_t, [loads[-1]] if loads else [], "producer", t))
+    done = {0: None, 1: None}
+    release = []  # per step: the last op of each consumer
+    for t in range(steps):
+        ends = []
+        for c in (0, 1):
+            prev = [done[c]] if done[c] is not None else []
+            s_op = op("Sᵀ", "tc", mma, [loads[t], *prev], c, t)
+            dp_op = op("dPᵀ", "tc", mma, [loads[t], *prev], c, t)  # issued right behind Sᵀ
+            p_op = op("Pᵀ", f"alu{c}", exp_t, [s_op], c, t)
+            if hb.OVERLAP:
+                dv_op = op("dV", "tc", mma, [p_op, dp_op], c, t)
+                ds_op = op("dSᵀ", f"alu{c}", ds_t, [p_op, dp_op], c, t)
+            else:
+                ds_op = op("dSᵀ", f"alu{c}", ds_t, [p_op, dp_op], c, t)
+                dv_op = op("dV", "tc", mma, [ds_op], c, t)
+            dk_op = op("dK", "tc", mma, [ds_op, dv_op], c, t)
+            done[c] = dk_op
+            ends.append(dk_op)
+        release.append(ends)
+    # a ring slot is free again once both consumers finished the step that used it
+    ops = [(n, u, d, deps + (tuple(release[s - hb.STAGES]) if n == "Q, dO" and s >= hb.STAGES else ()), o, s)
+           for n, u, d, deps, o, s in ops]
+    # Each unit takes its operations in the order they became ready (issued, for the tensor cores),
+    # ties in program order: consumer 0's before consumer 1's.
+    start, finish, free = {}, {}, {}
+    while len(start) < len(ops):
+        ready = [(max([0.0, *(finish[j] for j in deps)]), i) for i, (n, u, d, deps, o, s) in enumerate(ops)
+                 if i not in start and all(j in finish for j in deps)]
+        t_ready, i = min(ready)
+        start[i] = max(free.get(ops[i][1], 0.0), t_ready)
+        finish[i] = free[ops[i][1]] = start[i] + ops[i][2]
+    rows = {"tma": 3, "alu0": 2, "tc": 1, "alu1": 0}
+    names = {"tma": "producer warp: TMA loads", "alu0": "consumer 0: exp2, dSᵀ",
+             "tc": "tensor cores (wgmma)", "alu1": "consumer 1: exp2, dSᵀ"}
+    colors = {"producer": "#9bb7d4", 0: "#4c9f70", 1: "#f2a541"}
+    fig, ax = plt.subplots(figsize=(12, 3.2))
+    for i, (n, u, d, deps, o, s) in enumerate(ops):
+        y = rows[u]
+        ax.add_patch(Rectangle((start[i], y + 0.12), d, 0.76, facecolor=colors[o], edgecolor="white"))
+        ax.text(start[i] + d / 2, y + 0.5, f"{n}{s}", ha="center", va="center", fontsize=7)
+    ax.set_yticks([r + 0.5 for r in rows.values()], [names[u] for u in rows])
+    ax.set_ylim(0, 4)
+    ax.set_xlim(0, max(finish.values()) + 0.2)
+    ax.set_xlabel("time (units: one wgmma of a 64 x 64 x 128 product)")
+    ax.set_title(f"dK/dV kernel, {steps} query blocks per consumer (STAGES = {hb.STAGES}, "
+                 f"OVERLAP = {hb.OVERLAP}): green consumer 0, orange consumer 1", fontsize=10)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return _svg(fig)
+
+
 FIGURES = {
     "packing": packing,
     "dataflow": dataflow,
@@ -447,6 +517,7 @@ FIGURES = {
     "tiling": tiling,
     "pointer-offsets": pointer_offsets,
     "masking": masking,
+    "warpgroup-timeline": warpgroup_timeline,
 }
 
 
