@@ -31,6 +31,8 @@ Importing this module never imports Gluon: the kernel is defined the first time 
 
 from __future__ import annotations
 
+from flashattn import hopper_fwd
+
 BLOCK_N = 128          # key rows per CTA (two consumer warpgroups of 64 rows)
 HALF_N = 64            # key rows per consumer warpgroup
 BLOCK_M = 64           # query rows per step
@@ -41,8 +43,6 @@ PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 HEAD_DIMS = (64, 128)  # built for both; dispatched at 128 (flashattn._config.GLUON_HEAD_DIMS)
 
-_KERNEL = None
-_BUILD_ERROR = None
 
 
 def _build_kernel():
@@ -244,21 +244,12 @@ def _build_kernel():
     return _dkdv_kernel
 
 
-def _get_kernel():
-    global _KERNEL, _BUILD_ERROR
-    if _KERNEL is None and _BUILD_ERROR is None:
-        try:
-            _KERNEL = _build_kernel()
-        except Exception as e:  # a Triton whose Gluon lacks an API used here
-            _BUILD_ERROR = e
-    return _KERNEL
+_get_kernel = hopper_fwd.LazyKernel(_build_kernel)
 
 
 def available() -> bool:
     """Whether the kernel can be built with the Triton installed here (Gluon of Triton 3.6)."""
-    from flashattn import hopper_fwd
-
-    return hopper_fwd.triton_version_ok() and _get_kernel() is not None
+    return _get_kernel.available()
 
 
 def dkdv(q, k, v, do, lse2, delta, dk, dv, causal: bool, scale: float, stages: int | None = None,
@@ -268,13 +259,12 @@ def dkdv(q, k, v, do, lse2, delta, dk, dv, causal: bool, scale: float, stages: i
     q, do (B, Hq, N, D); k, v (B, Hkv, M, D), float16 or bfloat16, head dim contiguous and 16-byte
     aligned strides (TMA); ``lse2`` and ``delta`` float32 contiguous (B, Hq, N) from the backward's
     preprocess kernel; ``scale`` > 0 is the softmax scale."""
-    from flashattn import hopper_fwd
     from flashattn._triton import ceil_div
     from flashattn.constants import LOG2E
 
     kernel = _get_kernel()
     if kernel is None:
-        raise RuntimeError(f"Gluon Hopper dK/dV kernel unavailable: {_BUILD_ERROR!r}")
+        raise RuntimeError(f"Gluon Hopper dK/dV kernel unavailable: {_get_kernel.error!r}")
     B, Hq, N, D = q.shape
     _, Hkv, M, _ = k.shape
     assert D in HEAD_DIMS and scale > 0

@@ -41,8 +41,6 @@ MAXNREG = 168          # per-thread register cap of the whole kernel (see module
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 
-_KERNEL = None
-_BUILD_ERROR = None
 
 
 def _config(head_dim: int):
@@ -96,7 +94,7 @@ def supported(q, k, v, causal: bool = False) -> bool:
 
 def available() -> bool:
     """Whether the kernel can be built with the Triton installed here (Gluon of Triton 3.6)."""
-    return triton_version_ok() and _get_kernel() is not None
+    return _get_kernel.available()
 
 
 def _build_kernel():
@@ -334,14 +332,28 @@ def _build_kernel():
     return _fa_fwd_kernel
 
 
-def _get_kernel():
-    global _KERNEL, _BUILD_ERROR
-    if _KERNEL is None and _BUILD_ERROR is None:
-        try:
-            _KERNEL = _build_kernel()
-        except Exception as e:  # e.g. a Triton whose Gluon lacks an API used here
-            _BUILD_ERROR = e
-    return _KERNEL
+class LazyKernel:
+    """A Gluon kernel defined by ``build()`` at its first use, kept after it: ``kernel()`` returns it, or
+    None where this Triton cannot build it (``error`` then says why). :mod:`flashattn.hopper_bwd`
+    keeps its kernel the same way."""
+
+    def __init__(self, build):
+        self.build, self.kernel, self.error = build, None, None
+
+    def __call__(self):
+        if self.kernel is None and self.error is None:
+            try:
+                self.kernel = self.build()
+            except Exception as e:  # e.g. a Triton whose Gluon lacks an API used here
+                self.error = e
+        return self.kernel
+
+    def available(self) -> bool:
+        """Whether the kernel can be built with the Triton installed here (Gluon of Triton 3.6)."""
+        return triton_version_ok() and self() is not None
+
+
+_get_kernel = LazyKernel(_build_kernel)
 
 
 def descriptor(t, rows: int):
@@ -387,7 +399,7 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
 
     kernel = _get_kernel()
     if kernel is None:
-        raise RuntimeError(f"Gluon Hopper forward unavailable: {_BUILD_ERROR!r}")
+        raise RuntimeError(f"Gluon Hopper forward unavailable: {_get_kernel.error!r}")
     B, Hq, N, D = q.shape
     Bk, Hkv, M, Dk = k.shape
     assert v.shape == k.shape and Bk == B and Dk == D and Hq % Hkv == 0

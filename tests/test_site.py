@@ -225,7 +225,7 @@ def test_notebooks_were_executed(site):
 
 @slow
 def test_figures_are_built(site):
-    for name in ("causal-schedule", "window-schedule", "tiling", "pointer-offsets", "masking"):
+    for name in ("causal-schedule", "window-schedule", "tiling", "pointer-offsets", "masking", "warpgroup-timeline"):
         svg = site / "figures" / f"{name}.svg"
         assert svg.is_file() and svg.stat().st_size > 10_000, name
 
@@ -252,6 +252,31 @@ def test_window_figure_follows_the_schedule(monkeypatch):
     monkeypatch.setattr(schedule, "block_grid",
                         lambda n, m, bm, bn, causal, window=None: [[schedule.FULL] * -(-m // bn)] * -(-n // bm))
     assert figures.window_schedule() != before
+
+
+def test_timeline_figure_follows_the_dkdv_kernel_switches(monkeypatch):
+    """The warpgroup timeline schedules hopper_bwd's step with its STAGES and OVERLAP: without the
+    overlap every dV product is issued after its dS^T is done, with it before; with one ring slot the
+    second tile is loaded only after both consumers finished the first step."""
+    sys.path.insert(0, str(DOCS / "hooks"))
+    import figures
+    from flashattn import hopper_bwd
+
+    def ops(name):
+        return {(o, s): (ready, t0, t1) for n, u, o, s, ready, t0, t1 in figures.dkdv_schedule() if n.startswith(name)}
+
+    monkeypatch.setattr(hopper_bwd, "OVERLAP", False)
+    dv, ds = ops("dV"), ops("dS")
+    assert all(dv[key][0] >= ds[key][2] for key in dv)  # dV issued once dS^T is done
+    monkeypatch.setattr(hopper_bwd, "OVERLAP", True)
+    dv, ds = ops("dV"), ops("dS")
+    assert all(dv[key][0] < ds[key][2] for key in dv)  # dV issued before dS^T is done
+    for stages in (1, 2):
+        monkeypatch.setattr(hopper_bwd, "STAGES", stages)
+        loads, dk = ops("Q, dO"), ops("dK")
+        first_step_done = max(dk[(0, 0)][2], dk[(1, 0)][2])
+        assert (loads[("producer", 1)][1] >= first_step_done) == (stages == 1)
+    assert "<svg" in figures.warpgroup_timeline()
 
 
 @slow

@@ -438,15 +438,17 @@ def packing() -> str:
     return _svg(fig)
 
 
-def warpgroup_timeline() -> str:
+def dkdv_schedule(steps: int = 3) -> list[tuple]:
     """The Gluon dK/dV kernel's partitions on one SM, as a list schedule of the operations of
-    :func:`flashattn.hopper_bwd`'s step in their program order, with its ring depth (``STAGES``) and
-    its ``OVERLAP`` switch read from the module. Durations are units, not measurements: at D = 128 the
-    four products of a step have the same size (64 x 64 x 128 multiply-adds), so they get one unit
-    each; the exponentials and dS^T get less, a TMA tile load 0.8."""
+    :mod:`flashattn.hopper_bwd`'s step in their program order, with its ring depth (``STAGES``) and
+    its ``OVERLAP`` switch read from the module: (name, unit, owner, step, issued, start, finish) per
+    operation, where ``issued`` is when its inputs were ready (a product waits after that for the
+    tensor cores, which take products in the order they were issued). Durations are units, not measurements: at D = 128 the four products of a step have the
+    same size (64 x 64 x 128 multiply-adds), so they get one unit each; the exponentials and dS^T get
+    less, a TMA tile load 0.8."""
     from flashattn import hopper_bwd as hb
 
-    steps, mma, exp_t, ds_t, load_t = 3, 1.0, 0.6, 0.4, 0.8
+    mma, exp_t, ds_t, load_t = 1.0, 0.6, 0.4, 0.8
     ops = []  # (name, unit, duration, deps, owner, step)
 
     def op(name, unit, duration, deps, owner, step):
@@ -466,7 +468,7 @@ def warpgroup_timeline() -> str:
             dp_op = op("dPᵀ", "tc", mma, [loads[t], *prev], c, t)  # issued right behind Sᵀ
             p_op = op("Pᵀ", f"alu{c}", exp_t, [s_op], c, t)
             if hb.OVERLAP:
-                dv_op = op("dV", "tc", mma, [p_op, dp_op], c, t)
+                dv_op = op("dV", "tc", mma, [p_op], c, t)  # issued behind dP^T, before dS^T
                 ds_op = op("dSᵀ", f"alu{c}", ds_t, [p_op, dp_op], c, t)
             else:
                 ds_op = op("dSᵀ", f"alu{c}", ds_t, [p_op, dp_op], c, t)
@@ -487,18 +489,28 @@ def warpgroup_timeline() -> str:
         t_ready, i = min(ready)
         start[i] = max(free.get(ops[i][1], 0.0), t_ready)
         finish[i] = free[ops[i][1]] = start[i] + ops[i][2]
+    return [(n, u, o, s, max([0.0, *(finish[j] for j in deps)]), start[i], finish[i])
+            for i, (n, u, d, deps, o, s) in enumerate(ops)]
+
+
+def warpgroup_timeline() -> str:
+    """:func:`dkdv_schedule` drawn as one row per partition and one for the tensor cores."""
+    from flashattn import hopper_bwd as hb
+
+    steps = 3
+    schedule_ = dkdv_schedule(steps)
     rows = {"tma": 3, "alu0": 2, "tc": 1, "alu1": 0}
     names = {"tma": "producer warp: TMA loads", "alu0": "consumer 0: exp2, dSᵀ",
              "tc": "tensor cores (wgmma)", "alu1": "consumer 1: exp2, dSᵀ"}
     colors = {"producer": "#9bb7d4", 0: "#4c9f70", 1: "#f2a541"}
     fig, ax = plt.subplots(figsize=(12, 3.2))
-    for i, (n, u, d, deps, o, s) in enumerate(ops):
+    for n, u, o, s, _, t0, t1 in schedule_:
         y = rows[u]
-        ax.add_patch(Rectangle((start[i], y + 0.12), d, 0.76, facecolor=colors[o], edgecolor="white"))
-        ax.text(start[i] + d / 2, y + 0.5, f"{n}{s}", ha="center", va="center", fontsize=7)
+        ax.add_patch(Rectangle((t0, y + 0.12), t1 - t0, 0.76, facecolor=colors[o], edgecolor="white"))
+        ax.text((t0 + t1) / 2, y + 0.5, f"{n}{s}", ha="center", va="center", fontsize=7)
     ax.set_yticks([r + 0.5 for r in rows.values()], [names[u] for u in rows])
     ax.set_ylim(0, 4)
-    ax.set_xlim(0, max(finish.values()) + 0.2)
+    ax.set_xlim(0, max(t1 for *_, t1 in schedule_) + 0.2)
     ax.set_xlabel("time (units: one wgmma of a 64 x 64 x 128 product)")
     ax.set_title(f"dK/dV kernel, {steps} query blocks per consumer (STAGES = {hb.STAGES}, "
                  f"OVERLAP = {hb.OVERLAP}): green consumer 0, orange consumer 1", fontsize=10)
