@@ -246,6 +246,8 @@ def gluon_kernel(kernel: str, problem: Problem, device: torch.device) -> bool:
     key = (kernel, problem, device.index)
     found = _GLUON.get(key)
     if found is None:
+        if len(_GLUON) > 4096:  # many distinct lengths: start over rather than grow without bound
+            _GLUON.clear()
         p = problem
         found = _GLUON[key] = (
             kernel in GLUON_HEAD_DIMS and p.head_dim in GLUON_HEAD_DIMS[kernel] and not is_interpreter()
