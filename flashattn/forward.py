@@ -263,8 +263,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem
         return replayed
     if not p.varlen and _config.gluon_kernel("fwd", p, q.device):
         # the Hopper forward in Gluon (large plain problems on sm_90, flashattn._config.gluon_kernel);
-        # never recorded, so no recipe ever stands for it
-        q, k, v = (addressable(x) for x in (q, k, v))
+        # never recorded, so no recipe ever stands for it; it makes its inputs TMA-readable itself
         return hopper_fwd.forward(q, k, v, p.causal, p.scale, out=dense_like(q))
     record = recording(key)
     if p.varlen:

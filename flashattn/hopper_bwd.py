@@ -16,8 +16,7 @@ Design (one CTA per 128-row key block of one (batch, K/V head)):
     tile of 64 query rows per step into a ring of ``STAGES`` shared-memory slots, for every query
     head of the group and every query block that sees the key block.
   Each consumer holds its two float32 accumulators, dV and dK (64 x D each), for the whole loop:
-  at D = 128 they take 128 of its 240 registers, which is why the portable kernel, with 8 warps
-  sharing one 128-row block, sits at the 255-register cap and spills.
+  at D = 128 they take 128 of its 240 registers.
 * per step a consumer issues S^T = K Q^T and dP^T = V dO^T back to back (async wgmma), waits for
   S^T only and recomputes P^T = exp2(c S^T - lse2) while dP^T runs, then forms
   dS^T = P^T * (dP^T - delta) and issues dV += P^T dO and dK += dS^T Q with P^T and dS^T as register
@@ -38,11 +37,8 @@ HALF_N = 64            # key rows per consumer warpgroup
 BLOCK_M = 64           # query rows per step
 STAGES = 2             # Q/dO ring depth
 OVERLAP = True         # dV's product in flight while dS^T is computed
-MAXNREG = 168          # 12 warps * 168 = 4 * 240 + 4 * 240 + 4 * 24 (see flashattn.hopper_fwd)
-PRODUCER_REGS = 24
-CONSUMER_REGS = 240
 HEAD_DIMS = (64, 128)  # built for both; dispatched at 128 (flashattn._config.GLUON_HEAD_DIMS)
-
+# the register split and the launch (maxnreg) are hopper_fwd's: 24 for the producer, 240 per consumer
 
 
 def _build_kernel():
@@ -275,4 +271,4 @@ def dkdv(q, k, v, do, lse2, delta, dk, dv, causal: bool, scale: float, stages: i
                        Hq, Hkv, Hq // Hkv, N, M, float(scale) * LOG2E, float(scale)),
                       dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages or STAGES, CAUSAL=bool(causal),
                            OVERLAP=OVERLAP if overlap is None else bool(overlap),
-                           PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS))
+                           PRODUCER_REGS=hopper_fwd.PRODUCER_REGS, CONSUMER_REGS=hopper_fwd.CONSUMER_REGS))

@@ -443,9 +443,9 @@ def dkdv_schedule(steps: int = 3) -> list[tuple]:
     :mod:`flashattn.hopper_bwd`'s step in their program order, with its ring depth (``STAGES``) and
     its ``OVERLAP`` switch read from the module: (name, unit, owner, step, issued, start, finish) per
     operation, where ``issued`` is when its inputs were ready (a product waits after that for the
-    tensor cores, which take products in the order they were issued). Durations are units, not measurements: at D = 128 the four products of a step have the
-    same size (64 x 64 x 128 multiply-adds), so they get one unit each; the exponentials and dS^T get
-    less, a TMA tile load 0.8."""
+    tensor cores, which take products in the order they were issued). Durations are units, not
+    measurements: at D = 128 the four products of a step have the same size (64 x 64 x 128
+    multiply-adds), so they get one unit each; the exponentials and dS^T get less, a TMA tile load 0.8."""
     from flashattn import hopper_bwd as hb
 
     mma, exp_t, ds_t, load_t = 1.0, 0.6, 0.4, 0.8
