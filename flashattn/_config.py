@@ -221,8 +221,10 @@ def tuning(*, fwd: KernelConfig | None = None, bwd_dkdv: KernelConfig | None = N
 
 # --8<-- [start:gluon-dispatch]
 # The Hopper kernels in Gluon (flashattn.hopper_fwd, flashattn.hopper_bwd): head dims they are built
-# for and beat the portable kernels at (measured on an H200, tuning log "Gluon kernels dispatched").
-GLUON_HEAD_DIMS = {"fwd": (128,), "bwd_dkdv": (128,)}
+# for and beat the portable kernels at (measured on an H200, tuning log "Gluon kernels dispatched" and
+# "The Gluon forward at D = 256"). The dK/dV kernel keeps dK and dV of 64 keys per warpgroup in
+# registers, 2 * 64 * D / 128 floats per thread: at D = 256 that is 256, over the 240 a thread gets.
+GLUON_HEAD_DIMS = {"fwd": (128, 256), "bwd_dkdv": (128,)}
 # B * Hq * N * M * D below which the portable kernels run. A Gluon launch takes the launcher's direct
 # path but no recipe replays it, and the six descriptors of the Gluon dK/dV launch are made afresh at
 # every call: measured on an H200 (bf16, D = 128, tuning log "Gluon kernels dispatched"), forward +

@@ -51,6 +51,8 @@ def _config(head_dim: int):
     off by default (``forward(..., pingpong=True)`` turns it on)."""
     if head_dim == 64:
         return 128, 2, False   # Q 16 KB + 2 * (16 + 16) KB = 80 KB
+    if head_dim == 256:
+        return 64, 2, False    # Q 64 KB + 2 * (32 + 32) KB = 192 KB; a third stage would need 256 KB
     return 128, 2, False       # Q 32 KB + 2 * (32 + 32) KB = 160 KB
 
 
@@ -81,7 +83,7 @@ def supported(q, k, v, causal: bool = False) -> bool:
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape != v.shape:
             return False
         B, Hq, N, D = q.shape
-        if D not in (64, 128) or k.shape[0] != B or k.shape[3] != D or Hq % k.shape[1] != 0:
+        if D not in (64, 128, 256) or k.shape[0] != B or k.shape[3] != D or Hq % k.shape[1] != 0:
             return False
         if N == 0 or k.shape[2] == 0:
             return False
@@ -403,7 +405,7 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     B, Hq, N, D = q.shape
     Bk, Hkv, M, Dk = k.shape
     assert v.shape == k.shape and Bk == B and Dk == D and Hq % Hkv == 0
-    assert D in (64, 128) and q.dtype in (torch.float16, torch.bfloat16)
+    assert D in (64, 128, 256) and q.dtype in (torch.float16, torch.bfloat16)
     assert k.dtype == q.dtype and v.dtype == q.dtype
     if scale is None:
         scale = 1.0 / math.sqrt(D)

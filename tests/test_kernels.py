@@ -798,6 +798,10 @@ def test_gluon_kernels_run_only_where_the_rule_says(monkeypatch):
     assert not _config.gluon_kernel("fwd", _problem(n=4095), gpu0)  # just below the work bar
     for d in (64, 72, 96, 256):
         assert not _config.gluon_kernel("bwd_dkdv", _problem(d=d, n=8192), gpu0)
+    for d in (64, 72, 96, 160):
+        assert not _config.gluon_kernel("fwd", _problem(d=d, n=8192), gpu0)
+    assert _config.gluon_kernel("fwd", _problem(d=256, n=2897, m=2897), gpu0)  # 2 * 8 * 2897^2 * 256 >= 2^35
+    assert not _config.gluon_kernel("fwd", _problem(d=256, n=2896, m=2896), gpu0)
     for variant in (dict(window=(128, 0)), dict(softcap=30.0), dict(alibi=True), dict(dropout_p=0.1)):
         assert not _config.gluon_kernel("fwd", _problem(**variant), gpu0), variant
         assert not _config.gluon_kernel("bwd_dkdv", _problem(**variant), gpu0), variant
@@ -822,7 +826,7 @@ def test_hopper_forward_is_never_supported_off_hopper():
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("b, h_q, h_kv, n, m, causal, layout, std", [
     (2, 4, 4, 1000, 1000, False, "bhnd", 1.0),
     (2, 4, 4, 300, 777, True, "bhnd", 1.0),
@@ -851,7 +855,7 @@ def _gluon_dispatched(q, k, causal):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("b, h_q, h_kv, n, m, causal, layout, std", [
     (2, 4, 4, 1000, 1000, False, "bhnd", 1.0),
     (2, 4, 4, 300, 777, True, "bhnd", 1.0),  # N < M: every query also sees the prefix
@@ -864,13 +868,15 @@ def test_gluon_kernels_match_float64(monkeypatch, dtype, d, b, h_q, h_kv, n, m, 
     """The package's forward and backward with the Gluon kernels dispatched at every size (the work
     bar lowered to 0) against float64: ragged N != M, empty causal rows, GQA, transposed layouts."""
     monkeypatch.setattr(_config, "GLUON_MIN_WORK", 0)
-    monkeypatch.setattr(_config, "GLUON_HEAD_DIMS", {"fwd": (128,), "bwd_dkdv": (64, 128)})  # D = 64 built, not dispatched
+    # the dK/dV kernel is built for D = 64 too (not dispatched: it loses there); the forward is tested
+    # at D = 64 above
+    monkeypatch.setattr(_config, "GLUON_HEAD_DIMS", {"fwd": (128, 256), "bwd_dkdv": (64, 128)})
     monkeypatch.setattr(_config, "_GLUON", {})
     q, k, v, do = _inputs(b, h_q, h_kv, n, m, d, dtype, layout=layout, std=std, seed=n + m + d)
     dispatched = _gluon_dispatched(q, k, causal)
-    if not dispatched["bwd_dkdv"]:
+    if not any(dispatched.values()):
         pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
-    assert dispatched["fwd"] == (d == 128)  # the forward is built for D = 64 too, and tested above
+    assert dispatched == {"fwd": d in (128, 256), "bwd_dkdv": d in (64, 128)}
     _, (o, lse, dq, dk, dv) = _check_against_reference(q, k, v, do, causal, d ** -0.5)
     _empty_rows_are_zero(causal, n, m, o, lse, dq)
 
@@ -878,14 +884,18 @@ def test_gluon_kernels_match_float64(monkeypatch, dtype, d, b, h_q, h_kv, n, m, 
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_kernels_at_the_default_bar_match_float64_and_repeat_bitwise(causal):
-    """At the real dispatch bar (2^35 of work) the public API runs the Gluon kernels: float64 check,
-    two backward passes bitwise equal, the same bits under a CUDA graph, and the launcher's direct
-    path still on after them."""
-    q, k, v, do = _inputs(2, 8, 2, 4096, 4096, 128, torch.bfloat16, seed=23)
-    if not all(_gluon_dispatched(q, k, causal).values()):
+@pytest.mark.parametrize("d", [128, 256])
+def test_gluon_kernels_at_the_default_bar_match_float64_and_repeat_bitwise(causal, d):
+    """At the real dispatch bar (2^35 of work) the public API runs the Gluon kernels (at D = 256 the
+    forward alone): float64 check, two backward passes bitwise equal, the same bits under a CUDA
+    graph, and the launcher's direct path still on after them."""
+    n = 4096 if d == 128 else 2897  # each at 2^35 of work or just above
+    q, k, v, do = _inputs(2, 8, 2, n, n, d, torch.bfloat16, seed=23)
+    dispatched = _gluon_dispatched(q, k, causal)
+    if not any(dispatched.values()):
         pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
-    _check_against_reference(q, k, v, do, causal, 128 ** -0.5)
+    assert dispatched == {"fwd": True, "bwd_dkdv": d == 128}
+    _check_against_reference(q, k, v, do, causal, d ** -0.5)
     problem = Problem.of(q, k, causal)
     o, lse = attention_forward(q, k, v, problem)
     first = attention_backward(do, q, k, v, o, lse, problem)
