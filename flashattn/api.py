@@ -215,8 +215,12 @@ def _dropout_seed(dropout_p, generator, seed) -> int:
     return int(torch.randint(0, MAX_SEED, (), generator=generator, device=device, dtype=torch.int64))
 
 
+# The defaults of dropout_p and softcap here and in flash_attn_func are the int 0, not 0.0: under
+# torch.compile(dynamic=True) dynamo reads a float default as an unspecialized float, and torch 2.11
+# then guards every call on its value by building a tensor from it (tuning log, "A float default
+# guarded by a tensor").
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
-              window=None, softcap: float | None = None, alibi_slopes=None, dropout_p: float = 0.0,
+              window=None, softcap: float | None = None, alibi_slopes=None, dropout_p: float = 0,
               generator=None, seed: int | None = None):
     """Scaled dot-product attention, FlashAttention style: O(N) extra memory, exact result.
 
@@ -299,11 +303,11 @@ def flash_attn_func(
     q,
     k,
     v,
-    dropout_p: float = 0.0,
+    dropout_p: float = 0,
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size=(-1, -1),
-    softcap: float = 0.0,
+    softcap: float = 0,
     alibi_slopes=None,
     deterministic: bool = False,
     return_attn_probs: bool = False,

@@ -125,6 +125,38 @@ def test_compiled_graph_takes_no_float_input_without_dropout():
     assert not any(isinstance(n.meta.get("example_value"), torch.SymFloat) for n in gm.graph.nodes)
 
 
+def _guard_lines(fn) -> list[str]:
+    """The guards dynamo installed for the compiled ``fn`` (one line per guard or accessor)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return [line for entry in _debug_get_cache_entry_list(fn.__code__) for line in str(entry.guard_manager).splitlines()]
+
+
+@pytest.mark.parametrize("entry", ["attention", "flash_attn_func"])
+def test_compiled_call_reads_no_float_default(entry):
+    """Dynamo reads an entry point's defaults as sourced values, and under dynamic=True a float one
+    becomes an unspecialized float: torch 2.11 then checks it on every call with a guard that builds
+    a tensor from it (seen on the GPU machines: ``___as_tensor(...__kwdefaults__['dropout_p']).item()
+    == 0.0``). The defaults that are off are the int 0, so no guard of a compiled call that leaves
+    them out reads a float default."""
+    torch._dynamo.reset()
+    if entry == "attention":
+        def inner(q, k, v):
+            return flashattn.attention(q, k, v, causal=True)
+    else:
+        def inner(q, k, v):
+            return flashattn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    q, k, v = (x.requires_grad_() for x in _qkv(1, 2, 1, 6, 9, 16, torch.float64, seed=5))
+    torch.compile(inner, fullgraph=True, dynamic=True, backend="eager")(q, k, v)
+    lines = _guard_lines(inner)
+    assert any("__kwdefaults__" in line or "__defaults__" in line for line in lines)  # the defaults are guarded
+    read_as_float = [line for line in lines if ("__kwdefaults__" in line or "__defaults__" in line)
+                     and "type=<class 'float'>" in line]
+    assert not read_as_float, read_as_float
+    assert not any("as_tensor" in line for line in lines)
+    torch._dynamo.reset()
+
+
 def test_compiled_call_runs_the_kernels_under_the_interpreter():
     """float16 CPU tensors under TRITON_INTERPRET=1 reach the Triton kernels through the operator."""
     if HAS_CUDA:
