@@ -816,7 +816,7 @@ def test_gluon_kernels_run_only_where_the_rule_says(monkeypatch):
 
 def test_hopper_forward_is_never_supported_off_hopper():
     """Importing the Gluon module never imports Gluon or touches the driver; it declines CPU tensors
-    (and anything but float16/bfloat16, D in {64, 128}, on an sm_90 GPU with Triton 3.6)."""
+    (and anything but float16/bfloat16, D in {64, 128, 256}, on an sm_90 GPU with Triton 3.6)."""
     from flashattn import hopper_fwd
 
     q, k, v = random_qkv(1, 2, 2, 8, 8, 64, dtype=torch.float16)
