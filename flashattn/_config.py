@@ -224,7 +224,9 @@ def tuning(*, fwd: KernelConfig | None = None, bwd_dkdv: KernelConfig | None = N
 # for and beat the portable kernels at (measured on an H200, tuning log "Gluon kernels dispatched" and
 # "The Gluon forward at D = 256"). The dK/dV kernel keeps dK and dV of 64 keys per warpgroup in
 # registers, 2 * 64 * D / 128 floats per thread: at D = 256 that is 256, over the 240 a thread gets.
-GLUON_HEAD_DIMS = {"fwd": (128, 256), "bwd_dkdv": (128,)}
+# The dQ kernel in Gluon (flashattn.hopper_bwd.dq) is built and tested, and dispatched nowhere yet:
+# it made the D = 128 backward 1-8% faster in one A/B (slower at D = 64), not yet measured in a grid run.
+GLUON_HEAD_DIMS = {"fwd": (128, 256), "bwd_dkdv": (128,), "bwd_dq": ()}
 # B * Hq * N * M * D below which the portable kernels run. A Gluon launch takes the launcher's direct
 # path but no recipe replays it, and the six descriptors of the Gluon dK/dV launch are made afresh at
 # every call: measured on an H200 (bf16, D = 128, tuning log "Gluon kernels dispatched"), forward +
@@ -236,7 +238,7 @@ _GLUON: dict = {}  # (kernel, problem, device index) -> whether the Gluon kernel
 
 
 def gluon_kernel(kernel: str, problem: Problem, device: torch.device) -> bool:
-    """Whether the Hopper kernel in Gluon runs ``kernel`` ("fwd" or "bwd_dkdv") for ``problem``.
+    """Whether the Hopper kernel in Gluon runs ``kernel`` ("fwd", "bwd_dkdv" or "bwd_dq") for ``problem``.
 
     Only plain attention (no variant, no packing) with a positive scale, at a head dim of
     :data:`GLUON_HEAD_DIMS`, with at least :data:`GLUON_MIN_WORK`, on an sm_90 GPU whose Triton is 3.6
@@ -265,7 +267,7 @@ def _gluon_available(kernel: str) -> bool:
     import importlib  # the kernel modules import Gluon only when asked to build
 
     module = importlib.import_module("flashattn.hopper_fwd" if kernel == "fwd" else "flashattn.hopper_bwd")
-    return module.available()
+    return module.dq_available() if kernel == "bwd_dq" else module.available()
 # --8<-- [end:gluon-dispatch]
 
 

@@ -476,7 +476,8 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
     # dK/dV by the Hopper kernel in Gluon (large plain problems on sm_90, _config.gluon_kernel): a
     # recipe does not record its launch, so such a call is never recorded and always takes this path
     gluon_dkdv = not p.varlen and _config.gluon_kernel("bwd_dkdv", p, q.device)
-    record = None if gluon_dkdv else recording(key)
+    gluon_dq = not p.varlen and _config.gluon_kernel("bwd_dq", p, q.device)
+    record = None if gluon_dkdv or gluon_dq else recording(key)
     if p.varlen:
         dq, dk, dv = dense_like(q), dense_like(k), dense_like(v)
         if p.total_q == 0 or p.total_k == 0:  # no query sees a key: every gradient is zero
@@ -523,7 +524,10 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
         for constexprs in plan.passes:  # one launch, or dV's then dK's (KernelConfig.split)
             launch(_bwd_dkdv_kernel, plan.grid, args, constexprs, plan.options, record)
 
-    def run_dq(plan: _config.Plan, record=None):
+    def run_dq(plan: _config.Plan | None, record=None):
+        if plan is None:  # the Hopper kernel in Gluon
+            hopper_bwd.dq(q, k, v, do, lse2, delta, dq_view, p.causal, p.scale)
+            return
         cfg = plan.config
         offsets = tile_offsets(cu_q, cfg.block_m) if p.varlen else delta
         args = (desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(do, cfg.block_m),
@@ -540,7 +544,8 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
         # autotuning (opt-in) times candidate configs through the same launches
         plan_dkdv = None if gluon_dkdv else _config.plan(
             "bwd_dkdv", p, device, lambda c: run_dkdv(_config.plan_for("bwd_dkdv", p, device, c)))
-        plan_dq = _config.plan("bwd_dq", p, device, lambda c: run_dq(_config.plan_for("bwd_dq", p, device, c)))
+        plan_dq = None if gluon_dq else _config.plan(
+            "bwd_dq", p, device, lambda c: run_dq(_config.plan_for("bwd_dq", p, device, c)))
     if overlap:
         # The two kernels read the same inputs and write disjoint outputs, so they may run side by
         # side: on a second stream the dQ programs fill the SMs that the last wave of dK/dV leaves

@@ -5,7 +5,8 @@
 It computes what :func:`flashattn.backward._bwd_dkdv_kernel` computes for plain attention (no
 variant, dense inputs), reading the same scratch rows: ``lse2`` (the forward's LSE in base 2, with
 the rows that saw no key pivoted at 0) and ``delta`` (rowsum(dO * O)), both float32 (B, Hq, N).
-The dQ kernel stays the portable Triton one.
+The module also builds a dQ kernel in Gluon (:func:`dq`, laid out like the forward: one CTA per 128
+query rows); it is tested, and not dispatched yet (``flashattn._config.GLUON_HEAD_DIMS``).
 
 Design (one CTA per 128-row key block of one (batch, K/V head)):
 
@@ -271,4 +272,229 @@ def dkdv(q, k, v, do, lse2, delta, dk, dv, causal: bool, scale: float, stages: i
                        Hq, Hkv, Hq // Hkv, N, M, float(scale) * LOG2E, float(scale)),
                       dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages or STAGES, CAUSAL=bool(causal),
                            OVERLAP=OVERLAP if overlap is None else bool(overlap),
+                           PRODUCER_REGS=hopper_fwd.PRODUCER_REGS, CONSUMER_REGS=hopper_fwd.CONSUMER_REGS))
+
+
+# dQ in Gluon: one CTA per 128 query rows of one (batch, query head), built like the forward (two
+# consumer warpgroups of 64 rows, a TMA producer warp, a K/V ring); not dispatched yet (see dq()).
+DQ_BLOCK_N = 64        # keys per step
+DQ_STAGES = 3          # K/V ring depth: K_j stays in its slot until dQ += dS_j K_j completes, a step later
+
+
+def _build_dq_kernel():
+    """Define the Gluon dQ kernel (Gluon imported here, never at module import)."""
+    global gluon, gl, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                   warpgroup_mma, warpgroup_mma_wait)
+
+    @gluon.jit
+    def _dq_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_full, v_full,
+                     k_empty, v_empty, b, hq, hkv, m0, n_total,
+                     HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        # One warp: the Q and dO halves once, then K and V tiles into the ring.
+        HALF_BYTES: gl.constexpr = HALF * HEAD_DIM * 2
+        KV_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * 2
+        mbarrier.expect(qdo_bar, 4 * HALF_BYTES)
+        for c in gl.static_range(2):
+            tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + c * HALF, 0], qdo_bar,
+                                            q_smem.index(c).reshape([1, 1, HALF, HEAD_DIM]))
+            tma.async_copy_global_to_shared(do_desc, [b, hq, m0 + c * HALF, 0], qdo_bar,
+                                            do_smem.index(c).reshape([1, 1, HALF, HEAD_DIM]))
+        for i in range(n_total):
+            s = i % STAGES
+            ph = ((i // STAGES) & 1) ^ 1  # the first STAGES waits return at once
+            mbarrier.wait(k_empty.index(s), ph)
+            mbarrier.expect(k_full.index(s), KV_BYTES)
+            tma.async_copy_global_to_shared(k_desc, [b, hkv, i * BLOCK_N, 0], k_full.index(s),
+                                            k_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+            mbarrier.wait(v_empty.index(s), ph)
+            mbarrier.expect(v_full.index(s), KV_BYTES)
+            tma.async_copy_global_to_shared(v_desc, [b, hkv, i * BLOCK_N, 0], v_full.index(s),
+                                            v_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+
+    @gluon.jit
+    def _dq_scores(s, dp, lse2, delta, n0, row0, N, M, qk_scale,
+                   MASK: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
+                   s_layout: gl.constexpr):
+        # dS = P (dP - delta) of one [HALF, BLOCK_N] tile, P recomputed from the base-2 LSE; keys past M
+        # and (causal) keys a row may not see go to -inf before the exponential, so their P is exactly 0
+        if MASK:
+            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            keep = gl.expand_dims(cols < M, 0)
+            if CAUSAL:
+                rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+                keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + (M - N), 1))
+            s = gl.where(keep, s, -float("inf"))
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+        return p * (dp - gl.expand_dims(delta, 1))
+
+    @gluon.jit
+    def _dq_step(i, q, do, k_smem, v_smem, k_full, v_full, k_empty, v_empty, dq, ds, lse2, delta, row0, N, M,
+                 qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr):
+        # Key block i: S_i = Q K_i^T, dP_i = dO V_i^T and dQ += dS_{i-1} K_{i-1} in flight together;
+        # dS_i is formed while the dQ product of the block before runs.
+        si = i % STAGES
+        ph = (i // STAGES) & 1
+        sj = (i - 1) % STAGES
+        mbarrier.wait(k_full.index(si), ph)
+        mbarrier.wait(v_full.index(si), ph)
+        zeros = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
+        s_tok = warpgroup_mma(q, k_smem.index(si).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do, v_smem.index(si).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        dq_tok = warpgroup_mma(ds, k_smem.index(sj), dq, is_async=True)
+        s = warpgroup_mma_wait(2, deps=(s_tok, ))
+        dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
+        mbarrier.arrive(v_empty.index(si))
+        ds_new = _dq_scores(s, dp, lse2, delta, i * BLOCK_N, row0, N, M, qk_scale, MASK, CAUSAL, HALF, BLOCK_N,
+                            s_layout)
+        dq, ds = warpgroup_mma_wait(0, deps=(dq_tok, ds))
+        mbarrier.arrive(k_empty.index(sj))
+        return dq, gl.convert_layout(ds_new.to(q.dtype), a_layout)
+
+    @gluon.jit
+    def _dq_consumer(q_smem, do_smem, k_smem, v_smem, qdo_bar, k_full, v_full, k_empty, v_empty, dq_desc, lse2_ptr,
+                     delta_ptr, b, hq, bh, m0, N, M, n_full, n_total, qk_scale, scale,
+                     CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        # One warpgroup: query rows [m0 + CONSUMER * HALF, + HALF).
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        row0 = m0 + CONSUMER * HALF
+        # lse2 (pivoted at 0 for rows that saw no key) and delta of the rows; rows past N read 0, and
+        # their dS is 0 (their dO is 0); loaded one per thread, then spread to the rows of the layout
+        rows = row0 + gl.arange(0, HALF, layout=row_layout)
+        lse2 = gl.load(lse2_ptr + bh.to(gl.int64) * N + rows, mask=rows < N, other=0.0)
+        delta = gl.load(delta_ptr + bh.to(gl.int64) * N + rows, mask=rows < N, other=0.0)
+        lse2 = gl.convert_layout(lse2, gl.SliceLayout(1, s_layout))
+        delta = gl.convert_layout(delta, gl.SliceLayout(1, s_layout))
+        q = q_smem.index(CONSUMER)
+        do = do_smem.index(CONSUMER)
+        mbarrier.wait(qdo_bar, 0)
+        dq = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
+        if n_total > 0:
+            # Prologue: block 0 alone (always masked: it may be the ragged or diagonal block).
+            mbarrier.wait(k_full.index(0), 0)
+            mbarrier.wait(v_full.index(0), 0)
+            zeros = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
+            s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zeros, use_acc=False, is_async=True)
+            dp_tok = warpgroup_mma(do, v_smem.index(0).permute((1, 0)), zeros, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))
+            dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+            mbarrier.arrive(v_empty.index(0))
+            ds = _dq_scores(s, dp, lse2, delta, 0, row0, N, M, qk_scale, True, CAUSAL, HALF, BLOCK_N, s_layout)
+            ds = gl.convert_layout(ds.to(q.dtype), a_layout)
+            for i in range(1, n_full):  # key blocks every row of the CTA sees in full
+                dq, ds = _dq_step(i, q, do, k_smem, v_smem, k_full, v_full, k_empty, v_empty, dq, ds, lse2, delta,
+                                  row0, N, M, qk_scale, False, CAUSAL, HALF, BLOCK_N, STAGES, s_layout, a_layout)
+            for i in range(gl.maximum(n_full, 1), n_total):  # diagonal and ragged blocks
+                dq, ds = _dq_step(i, q, do, k_smem, v_smem, k_full, v_full, k_empty, v_empty, dq, ds, lse2, delta,
+                                  row0, N, M, qk_scale, True, CAUSAL, HALF, BLOCK_N, STAGES, s_layout, a_layout)
+            # Epilogue: the last dQ product.
+            last = (n_total - 1) % STAGES
+            dq_tok = warpgroup_mma(ds, k_smem.index(last), dq, is_async=True)
+            dq, ds = warpgroup_mma_wait(0, deps=(dq_tok, ds))
+            mbarrier.arrive(k_empty.index(last))
+        # dQ = scale dS K. The Q tile is dead (every S product has completed): stage dQ there and
+        # TMA-store it; TMA clips rows >= N.
+        q.store((dq * scale).to(q.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dq_desc, [b, hq, row0, 0], q.reshape([1, 1, HALF, HEAD_DIM]))
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, HQ, GROUP, N, M, qk_scale, scale,
+                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                   PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        HALF: gl.constexpr = 64
+        BLOCK_M: gl.constexpr = 2 * HALF
+        dtype: gl.constexpr = q_desc.dtype
+        # (query block, batch * head) on grid axis 0, query block fastest; under causal the query
+        # blocks that see the most keys go first (as in the forward)
+        num_mb = gl.cdiv(N, BLOCK_M)
+        pid = gl.program_id(0)
+        bh = pid // num_mb
+        mb = pid % num_mb
+        if CAUSAL:
+            mb = num_mb - 1 - mb
+        b = bh // HQ
+        hq = bh % HQ
+        hkv = hq // GROUP
+        m0 = mb * BLOCK_M
+        if CAUSAL:
+            hi = gl.minimum(M, m0 + BLOCK_M + (M - N))
+            n_total = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
+            n_full = gl.minimum(gl.maximum(m0 + (M - N) + 1, 0) // BLOCK_N, M // BLOCK_N)
+        else:
+            n_total = gl.cdiv(M, BLOCK_N)
+            n_full = M // BLOCK_N
+
+        half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], half_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], half_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(qdo_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(k_full.index(s), count=1)
+            mbarrier.init(v_full.index(s), count=1)
+            mbarrier.init(k_empty.index(s), count=2)  # one arrive from each consumer
+            mbarrier.init(v_empty.index(s), count=2)
+        fence_async_shared()
+
+        gl.warp_specialize([
+            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, qdo_bar, k_full, v_full, k_empty, v_empty, dq_desc,
+                            lse2_ptr, delta_ptr, b, hq, bh, m0, N, M, n_full, n_total, qk_scale, scale, 0, CAUSAL,
+                            HALF, BLOCK_N, HEAD_DIM, STAGES)),
+            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, qdo_bar, k_full, v_full, k_empty, v_empty, dq_desc,
+                            lse2_ptr, delta_ptr, b, hq, bh, m0, N, M, n_full, n_total, qk_scale, scale, 1, CAUSAL,
+                            HALF, BLOCK_N, HEAD_DIM, STAGES)),
+            (_dq_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_full,
+                            v_full, k_empty, v_empty, b, hq, hkv, m0, n_total, HALF, BLOCK_N, HEAD_DIM, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    return _dq_kernel
+
+
+_get_dq_kernel = hopper_fwd.LazyKernel(_build_dq_kernel)
+
+
+def dq_available() -> bool:
+    """Whether the Gluon dQ kernel can be built with the Triton installed here (Gluon of Triton 3.6)."""
+    return _get_dq_kernel.available()
+
+
+def dq(q, k, v, do, lse2, delta, dq_out, causal: bool, scale: float, block_n: int | None = None,
+       stages: int | None = None) -> None:
+    """Fill ``dq_out`` (laid out like q, head dim contiguous) for plain attention; the inputs are those
+    of :func:`dkdv`. The backward runs it where ``flashattn._config.gluon_kernel("bwd_dq", ...)``
+    says so, which is nowhere by default yet (tuning log, "A dQ kernel in Gluon")."""
+    from flashattn._triton import ceil_div
+    from flashattn.constants import LOG2E
+
+    kernel = _get_dq_kernel()
+    if kernel is None:
+        raise RuntimeError(f"Gluon Hopper dQ kernel unavailable: {_get_dq_kernel.error!r}")
+    B, Hq, N, D = q.shape
+    _, Hkv, M, _ = k.shape
+    assert D in HEAD_DIMS and scale > 0
+    block_n = block_n or DQ_BLOCK_N
+    describe = hopper_fwd.descriptor
+    hopper_fwd.launch(kernel, ceil_div(N, 2 * HALF_N) * B * Hq,
+                      (describe(q, HALF_N), describe(k, block_n), describe(v, block_n), describe(do, HALF_N),
+                       describe(dq_out, HALF_N), lse2, delta, Hq, Hq // Hkv, N, M, float(scale) * LOG2E,
+                       float(scale)),
+                      dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages or DQ_STAGES, CAUSAL=bool(causal),
                            PRODUCER_REGS=hopper_fwd.PRODUCER_REGS, CONSUMER_REGS=hopper_fwd.CONSUMER_REGS))

@@ -847,9 +847,9 @@ def test_hopper_forward_matches_float64(dtype, d, b, h_q, h_kv, n, m, causal, la
     assert_close_ratio("lse", lse, lse64, lse16.float())
 
 
-def _gluon_dispatched(q, k, causal):
+def _gluon_dispatched(q, k, causal, kernels=("fwd", "bwd_dkdv")):
     problem = Problem.of(q, k, causal)
-    return {kernel: _config.gluon_kernel(kernel, problem, q.device) for kernel in ("fwd", "bwd_dkdv")}
+    return {kernel: _config.gluon_kernel(kernel, problem, q.device) for kernel in kernels}
 
 
 @gpu
@@ -877,6 +877,31 @@ def test_gluon_kernels_match_float64(monkeypatch, dtype, d, b, h_q, h_kv, n, m, 
     if not any(dispatched.values()):
         pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
     assert dispatched == {"fwd": d in (128, 256), "bwd_dkdv": d in (64, 128)}
+    _, (o, lse, dq, dk, dv) = _check_against_reference(q, k, v, do, causal, d ** -0.5)
+    _empty_rows_are_zero(causal, n, m, o, lse, dq)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("b, h_q, h_kv, n, m, causal, layout, std", [
+    (2, 4, 4, 1000, 1000, False, "bhnd", 1.0),
+    (2, 4, 4, 300, 777, True, "bhnd", 1.0),  # N < M: every query also sees the prefix
+    (2, 4, 2, 777, 300, True, "bnhd", 1.0),  # GQA, N > M: the first 477 rows see no key
+    (1, 8, 2, 1024, 1024, True, "bhnd", 3.0),  # large logits
+    (1, 6, 1, 130, 3, False, "bnhd", 1.0),  # multi-query, three keys
+    (1, 2, 2, 200, 64, True, "bhnd", 1.0),  # one key block, ragged query blocks
+])
+def test_gluon_dq_kernel_matches_float64(monkeypatch, dtype, d, b, h_q, h_kv, n, m, causal, layout, std):
+    """The Gluon dQ kernel (built, not dispatched by default) with the rest of the backward, against
+    float64: the rule is opened to it at every size for this test."""
+    monkeypatch.setattr(_config, "GLUON_MIN_WORK", 0)
+    monkeypatch.setattr(_config, "GLUON_HEAD_DIMS", {"fwd": (), "bwd_dkdv": (), "bwd_dq": (64, 128)})
+    monkeypatch.setattr(_config, "_GLUON", {})
+    q, k, v, do = _inputs(b, h_q, h_kv, n, m, d, dtype, layout=layout, std=std, seed=n + 3 * m + d)
+    if not _gluon_dispatched(q, k, causal, ("bwd_dq",))["bwd_dq"]:
+        pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
     _, (o, lse, dq, dk, dv) = _check_against_reference(q, k, v, do, causal, d ** -0.5)
     _empty_rows_are_zero(causal, n, m, o, lse, dq)
 
