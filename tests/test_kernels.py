@@ -847,6 +847,16 @@ def test_hopper_forward_matches_float64(dtype, d, b, h_q, h_kv, n, m, causal, la
     assert_close_ratio("lse", lse, lse64, lse16.float())
 
 
+# (B, Hq, Hkv, N, M, causal, layout, logit scale) of the Gluon kernels' float64 checks
+_GLUON_CASES = [
+    (2, 4, 4, 1000, 1000, False, "bhnd", 1.0),
+    (2, 4, 4, 300, 777, True, "bhnd", 1.0),  # N < M: every query also sees the prefix
+    (2, 4, 2, 777, 300, True, "bnhd", 1.0),  # GQA, N > M: the first 477 rows see no key
+    (1, 8, 2, 1024, 1024, True, "bhnd", 3.0),  # large logits
+    (1, 6, 1, 130, 3, False, "bnhd", 1.0),  # multi-query, three keys
+]
+
+
 def _gluon_dispatched(q, k, causal, kernels=("fwd", "bwd_dkdv")):
     problem = Problem.of(q, k, causal)
     return {kernel: _config.gluon_kernel(kernel, problem, q.device) for kernel in kernels}
@@ -856,12 +866,7 @@ def _gluon_dispatched(q, k, causal, kernels=("fwd", "bwd_dkdv")):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("b, h_q, h_kv, n, m, causal, layout, std", [
-    (2, 4, 4, 1000, 1000, False, "bhnd", 1.0),
-    (2, 4, 4, 300, 777, True, "bhnd", 1.0),  # N < M: every query also sees the prefix
-    (2, 4, 2, 777, 300, True, "bnhd", 1.0),  # GQA, N > M: the first 477 rows see no key
-    (1, 8, 2, 1024, 1024, True, "bhnd", 3.0),  # large logits
-    (1, 6, 1, 130, 3, False, "bnhd", 1.0),  # multi-query, three keys
+@pytest.mark.parametrize("b, h_q, h_kv, n, m, causal, layout, std", _GLUON_CASES + [
     (1, 2, 2, 64, 200, True, "bhnd", 1.0),  # one query block, ragged key blocks
 ])
 def test_gluon_kernels_match_float64(monkeypatch, dtype, d, b, h_q, h_kv, n, m, causal, layout, std):
@@ -885,12 +890,7 @@ def test_gluon_kernels_match_float64(monkeypatch, dtype, d, b, h_q, h_kv, n, m, 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("b, h_q, h_kv, n, m, causal, layout, std", [
-    (2, 4, 4, 1000, 1000, False, "bhnd", 1.0),
-    (2, 4, 4, 300, 777, True, "bhnd", 1.0),  # N < M: every query also sees the prefix
-    (2, 4, 2, 777, 300, True, "bnhd", 1.0),  # GQA, N > M: the first 477 rows see no key
-    (1, 8, 2, 1024, 1024, True, "bhnd", 3.0),  # large logits
-    (1, 6, 1, 130, 3, False, "bnhd", 1.0),  # multi-query, three keys
+@pytest.mark.parametrize("b, h_q, h_kv, n, m, causal, layout, std", _GLUON_CASES + [
     (1, 2, 2, 200, 64, True, "bhnd", 1.0),  # one key block, ragged query blocks
 ])
 def test_gluon_dq_kernel_matches_float64(monkeypatch, dtype, d, b, h_q, h_kv, n, m, causal, layout, std):
