@@ -284,10 +284,12 @@ DQ_STAGES = 3          # K/V ring depth: K_j stays in its slot until dQ += dS_j 
 def _build_dq_kernel():
     """Define the Gluon dQ kernel (Gluon imported here, never at module import)."""
     global gluon, gl, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    global _query_blocks, _masked_scores
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                    warpgroup_mma, warpgroup_mma_wait)
+    _query_blocks, _masked_scores = hopper_fwd.gluon_helpers()  # shared with the forward
 
     @gluon.jit
     def _dq_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_full, v_full,
@@ -321,12 +323,7 @@ def _build_dq_kernel():
         # dS = P (dP - delta) of one [HALF, BLOCK_N] tile, P recomputed from the base-2 LSE; keys past M
         # and (causal) keys a row may not see go to -inf before the exponential, so their P is exactly 0
         if MASK:
-            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            keep = gl.expand_dims(cols < M, 0)
-            if CAUSAL:
-                rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
-                keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + (M - N), 1))
-            s = gl.where(keep, s, -float("inf"))
+            s = _masked_scores(s, n0, row0, M, M - N, CAUSAL, HALF, BLOCK_N, s_layout)
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
         return p * (dp - gl.expand_dims(delta, 1))
 
@@ -415,25 +412,7 @@ def _build_dq_kernel():
         HALF: gl.constexpr = 64
         BLOCK_M: gl.constexpr = 2 * HALF
         dtype: gl.constexpr = q_desc.dtype
-        # (query block, batch * head) on grid axis 0, query block fastest; under causal the query
-        # blocks that see the most keys go first (as in the forward)
-        num_mb = gl.cdiv(N, BLOCK_M)
-        pid = gl.program_id(0)
-        bh = pid // num_mb
-        mb = pid % num_mb
-        if CAUSAL:
-            mb = num_mb - 1 - mb
-        b = bh // HQ
-        hq = bh % HQ
-        hkv = hq // GROUP
-        m0 = mb * BLOCK_M
-        if CAUSAL:
-            hi = gl.minimum(M, m0 + BLOCK_M + (M - N))
-            n_total = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
-            n_full = gl.minimum(gl.maximum(m0 + (M - N) + 1, 0) // BLOCK_N, M // BLOCK_N)
-        else:
-            n_total = gl.cdiv(M, BLOCK_N)
-            n_full = M // BLOCK_N
+        b, hq, hkv, bh, m0, n_total, n_full = _query_blocks(N, M, HQ, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
 
         half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)

@@ -99,15 +99,69 @@ def available() -> bool:
     return _get_kernel.available()
 
 
+@functools.lru_cache(maxsize=None)
+def gluon_helpers():
+    """Two Gluon functions shared by the kernels laid out per query block (this forward and
+    :func:`flashattn.hopper_bwd.dq`), as ``(query_blocks, masked_scores)``:
+
+    * ``query_blocks(N, M, HQ, GROUP, BLOCK_M, BLOCK_N, CAUSAL) -> (b, hq, hkv, bh, m0, n_total,
+      n_full)`` places the program: grid axis 0 enumerates (query block, batch * head), query block
+      fastest, so CTAs that run together share K/V in L2, and under causal the longest query blocks go
+      first. It returns the batch, query head, K/V head, batch * Hq + head, the block's first row, the
+      key blocks it visits and how many of the first of them need no mask;
+    * ``masked_scores(s, n0, row0, M, q_off, CAUSAL, HALF, BLOCK_N, s_layout)`` sets to -inf the scores
+      of a [HALF, BLOCK_N] tile (rows from ``row0``, keys from ``n0``) whose key lies past M or, under
+      causal, after the row's last visible key (query i sees key j iff j <= i + q_off, q_off = M - N)."""
+    global gluon, gl
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit
+    def query_blocks(N, M, HQ, GROUP, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        num_mb = gl.cdiv(N, BLOCK_M)
+        pid = gl.program_id(0)
+        bh = pid // num_mb
+        mb = pid % num_mb
+        if CAUSAL:
+            mb = num_mb - 1 - mb
+        b = bh // HQ
+        hq = bh % HQ
+        hkv = hq // GROUP
+        m0 = mb * BLOCK_M
+        # Key blocks: n_total visited, the first n_full of them need no mask.
+        if CAUSAL:
+            hi = gl.minimum(M, m0 + BLOCK_M + (M - N))
+            n_total = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
+            n_full = gl.minimum(gl.maximum(m0 + (M - N) + 1, 0) // BLOCK_N, M // BLOCK_N)
+        else:
+            n_total = gl.cdiv(M, BLOCK_N)
+            n_full = M // BLOCK_N
+        return b, hq, hkv, bh, m0, n_total, n_full
+
+    @gluon.jit
+    def masked_scores(s, n0, row0, M, q_off, CAUSAL: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
+                      s_layout: gl.constexpr):
+        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = gl.expand_dims(cols < M, 0)
+        if CAUSAL:
+            rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + q_off, 1))
+        return gl.where(keep, s, -float("inf"))
+
+    return query_blocks, masked_scores
+
+
 def _build_kernel():
     """Define the Gluon kernel. Gluon is imported here, never at module import, so that importing this
     module works on any Triton (or none) and touches no GPU state. The Gluon names become module
     globals, where the JIT resolves them (annotations included)."""
     global gluon, gl, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    global _query_blocks, _masked_scores
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                    warpgroup_mma, warpgroup_mma_wait)
+    _query_blocks, _masked_scores = gluon_helpers()
 
     @gluon.jit
     def _fa_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty,
@@ -144,12 +198,7 @@ def _build_kernel():
         # Returns (p fp32, alpha, m_new, l_new) with m in base-2 scaled units; s * qk_scale - m is
         # one FMA per score.
         if MASK:
-            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            keep = gl.expand_dims(cols < M, 0)
-            if CAUSAL:
-                rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
-                keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + q_off, 1))
-            s = gl.where(keep, s, -float("inf"))
+            s = _masked_scores(s, n0, row0, M, q_off, CAUSAL, HALF, BLOCK_N, s_layout)
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
@@ -276,28 +325,7 @@ def _build_kernel():
         HALF: gl.constexpr = 64
         BLOCK_M: gl.constexpr = 2 * HALF
         dtype: gl.constexpr = q_desc.dtype
-
-        # Grid axis 0 enumerates (query block, batch*head), query block fastest so CTAs that run
-        # together share K/V in L2; under causal the longest query blocks go first.
-        num_mb = gl.cdiv(N, BLOCK_M)
-        pid = gl.program_id(0)
-        bh = pid // num_mb
-        mb = pid % num_mb
-        if CAUSAL:
-            mb = num_mb - 1 - mb
-        b = bh // HQ
-        hq = bh % HQ
-        hkv = hq // GROUP
-        m0 = mb * BLOCK_M
-
-        # Key blocks: n_total visited, the first n_full of them need no mask.
-        if CAUSAL:
-            hi = gl.minimum(M, m0 + BLOCK_M + (M - N))
-            n_total = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
-            n_full = gl.minimum(gl.maximum(m0 + (M - N) + 1, 0) // BLOCK_N, M // BLOCK_N)
-        else:
-            n_total = gl.cdiv(M, BLOCK_N)
-            n_full = M // BLOCK_N
+        b, hq, hkv, bh, m0, n_total, n_full = _query_blocks(N, M, HQ, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
 
         smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)

@@ -129,7 +129,8 @@ def _guard_lines(fn) -> list[str]:
     """The guards dynamo installed for the compiled ``fn`` (one line per guard or accessor)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    return [line for entry in _debug_get_cache_entry_list(fn.__code__) for line in str(entry.guard_manager).splitlines()]
+    return [line for entry in _debug_get_cache_entry_list(fn.__code__)
+            for line in str(entry.guard_manager).splitlines()]
 
 
 @pytest.mark.parametrize("entry", ["attention", "flash_attn_func"])
