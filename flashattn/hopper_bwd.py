@@ -327,6 +327,7 @@ def _build_dq_kernel():
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
         return p * (dp - gl.expand_dims(delta, 1))
 
+    # --8<-- [start:gluon-dq-step]
     @gluon.jit
     def _dq_step(i, q, do, k_smem, v_smem, k_full, v_full, k_empty, v_empty, dq, ds, lse2, delta, row0, N, M,
                  qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -350,6 +351,7 @@ def _build_dq_kernel():
         dq, ds = warpgroup_mma_wait(0, deps=(dq_tok, ds))
         mbarrier.arrive(k_empty.index(sj))
         return dq, gl.convert_layout(ds_new.to(q.dtype), a_layout)
+    # --8<-- [end:gluon-dq-step]
 
     @gluon.jit
     def _dq_consumer(q_smem, do_smem, k_smem, v_smem, qdo_bar, k_full, v_full, k_empty, v_empty, dq_desc, lse2_ptr,
