@@ -284,37 +284,27 @@ DQ_STAGES = 3          # K/V ring depth: K_j stays in its slot until dQ += dS_j 
 def _build_dq_kernel():
     """Define the Gluon dQ kernel (Gluon imported here, never at module import)."""
     global gluon, gl, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-    global _query_blocks, _masked_scores
+    global _query_blocks, _masked_scores, _load_kv_ring
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                    warpgroup_mma, warpgroup_mma_wait)
-    _query_blocks, _masked_scores = hopper_fwd.gluon_helpers()  # shared with the forward
+    _query_blocks, _masked_scores, _load_kv_ring = hopper_fwd.gluon_helpers()  # shared with the forward
 
     @gluon.jit
     def _dq_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_full, v_full,
                      k_empty, v_empty, b, hq, hkv, m0, n_total,
                      HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-        # One warp: the Q and dO halves once, then K and V tiles into the ring.
+        # One warp: the Q and dO halves once, then K and V tiles into the ring (as in the forward).
         HALF_BYTES: gl.constexpr = HALF * HEAD_DIM * 2
-        KV_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * 2
         mbarrier.expect(qdo_bar, 4 * HALF_BYTES)
         for c in gl.static_range(2):
             tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + c * HALF, 0], qdo_bar,
                                             q_smem.index(c).reshape([1, 1, HALF, HEAD_DIM]))
             tma.async_copy_global_to_shared(do_desc, [b, hq, m0 + c * HALF, 0], qdo_bar,
                                             do_smem.index(c).reshape([1, 1, HALF, HEAD_DIM]))
-        for i in range(n_total):
-            s = i % STAGES
-            ph = ((i // STAGES) & 1) ^ 1  # the first STAGES waits return at once
-            mbarrier.wait(k_empty.index(s), ph)
-            mbarrier.expect(k_full.index(s), KV_BYTES)
-            tma.async_copy_global_to_shared(k_desc, [b, hkv, i * BLOCK_N, 0], k_full.index(s),
-                                            k_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]))
-            mbarrier.wait(v_empty.index(s), ph)
-            mbarrier.expect(v_full.index(s), KV_BYTES)
-            tma.async_copy_global_to_shared(v_desc, [b, hkv, i * BLOCK_N, 0], v_full.index(s),
-                                            v_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+        _load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, b, hkv, n_total,
+                      BLOCK_N, HEAD_DIM, STAGES)
 
     @gluon.jit
     def _dq_scores(s, dp, lse2, delta, n0, row0, N, M, qk_scale,

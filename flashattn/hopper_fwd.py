@@ -101,8 +101,8 @@ def available() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def gluon_helpers():
-    """Two Gluon functions shared by the kernels laid out per query block (this forward and
-    :func:`flashattn.hopper_bwd.dq`), as ``(query_blocks, masked_scores)``:
+    """Gluon functions shared by the kernels laid out per query block (this forward and
+    :func:`flashattn.hopper_bwd.dq`), as ``(query_blocks, masked_scores, load_kv_ring)``:
 
     * ``query_blocks(N, M, HQ, GROUP, BLOCK_M, BLOCK_N, CAUSAL) -> (b, hq, hkv, bh, m0, n_total,
       n_full)`` places the program: grid axis 0 enumerates (query block, batch * head), query block
@@ -111,10 +111,13 @@ def gluon_helpers():
       key blocks it visits and how many of the first of them need no mask;
     * ``masked_scores(s, n0, row0, M, q_off, CAUSAL, HALF, BLOCK_N, s_layout)`` sets to -inf the scores
       of a [HALF, BLOCK_N] tile (rows from ``row0``, keys from ``n0``) whose key lies past M or, under
-      causal, after the row's last visible key (query i sees key j iff j <= i + q_off, q_off = M - N)."""
-    global gluon, gl
+      causal, after the row's last visible key (query i sees key j iff j <= i + q_off, q_off = M - N);
+    * ``load_kv_ring(...)`` is the producer's loop: K and V tiles of ``BLOCK_N`` keys of one K/V head
+      into a ring of ``STAGES`` slots, each slot refilled once both consumers released it."""
+    global gluon, gl, mbarrier, tma
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
     @gluon.jit
     def query_blocks(N, M, HQ, GROUP, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
@@ -148,7 +151,25 @@ def gluon_helpers():
             keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + q_off, 1))
         return gl.where(keep, s, -float("inf"))
 
-    return query_blocks, masked_scores
+    @gluon.jit
+    def load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, b, hkv, n_total,
+                     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        KV_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * 2
+        for i in range(n_total):
+            s = i % STAGES
+            # A fresh mbarrier counts as having completed the phase before phase 0, so the first
+            # STAGES waits (parity 1) return at once.
+            ph = ((i // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(s), ph)
+            mbarrier.expect(k_full.index(s), KV_BYTES)
+            tma.async_copy_global_to_shared(k_desc, [b, hkv, i * BLOCK_N, 0], k_full.index(s),
+                                            k_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+            mbarrier.wait(v_empty.index(s), ph)
+            mbarrier.expect(v_full.index(s), KV_BYTES)
+            tma.async_copy_global_to_shared(v_desc, [b, hkv, i * BLOCK_N, 0], v_full.index(s),
+                                            v_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+
+    return query_blocks, masked_scores, load_kv_ring
 
 
 def _build_kernel():
@@ -156,12 +177,12 @@ def _build_kernel():
     module works on any Triton (or none) and touches no GPU state. The Gluon names become module
     globals, where the JIT resolves them (annotations included)."""
     global gluon, gl, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-    global _query_blocks, _masked_scores
+    global _query_blocks, _masked_scores, _load_kv_ring
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                    warpgroup_mma, warpgroup_mma_wait)
-    _query_blocks, _masked_scores = gluon_helpers()
+    _query_blocks, _masked_scores, _load_kv_ring = gluon_helpers()
 
     @gluon.jit
     def _fa_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty,
@@ -169,25 +190,12 @@ def _build_kernel():
                      HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
         # One warp: Q halves once, then K and V tiles into the ring.
         QBYTES: gl.constexpr = HALF * HEAD_DIM * 2
-        KVBYTES: gl.constexpr = BLOCK_N * HEAD_DIM * 2
         for c in gl.static_range(2):
             mbarrier.expect(q_bars.index(c), QBYTES)
             tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + c * HALF, 0], q_bars.index(c),
                                             q_smem.index(c).reshape([1, 1, HALF, HEAD_DIM]))
-        for i in range(n_total):
-            s = i % STAGES
-            ph = (i // STAGES) & 1
-            n0 = i * BLOCK_N
-            # A fresh mbarrier counts as having completed the phase before phase 0, so the first
-            # STAGES waits (parity 1) return at once.
-            mbarrier.wait(k_empty.index(s), ph ^ 1)
-            mbarrier.expect(k_full.index(s), KVBYTES)
-            tma.async_copy_global_to_shared(k_desc, [b, hkv, n0, 0], k_full.index(s),
-                                            k_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]))
-            mbarrier.wait(v_empty.index(s), ph ^ 1)
-            mbarrier.expect(v_full.index(s), KVBYTES)
-            tma.async_copy_global_to_shared(v_desc, [b, hkv, n0, 0], v_full.index(s),
-                                            v_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+        _load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, b, hkv, n_total,
+                      BLOCK_N, HEAD_DIM, STAGES)
 
 
     @gluon.jit
