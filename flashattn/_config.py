@@ -224,9 +224,9 @@ def tuning(*, fwd: KernelConfig | None = None, bwd_dkdv: KernelConfig | None = N
 # for and beat the portable kernels at (measured on an H200, tuning log "Gluon kernels dispatched" and
 # "The Gluon forward at D = 256"). The dK/dV kernel keeps dK and dV of 64 keys per warpgroup in
 # registers, 2 * 64 * D / 128 floats per thread: at D = 256 that is 256, over the 240 a thread gets.
-# The dQ kernel in Gluon (flashattn.hopper_bwd.dq) is built and tested, and dispatched nowhere yet:
-# it made the D = 128 backward 1-8% faster in one A/B (slower at D = 64), not yet measured in a grid run.
-GLUON_HEAD_DIMS = {"fwd": (128, 256), "bwd_dkdv": (128,), "bwd_dq": ()}
+# The dQ kernel in Gluon (flashattn.hopper_bwd.dq) made the D = 128 backward 1-8% faster in an A/B
+# and D = 64 3-10% slower (tuning log "A dQ kernel in Gluon"), so it runs at D = 128 only.
+GLUON_HEAD_DIMS = {"fwd": (128, 256), "bwd_dkdv": (128,), "bwd_dq": (128,)}
 # B * Hq * N * M * D below which the portable kernels run. A Gluon launch takes the launcher's direct
 # path but no recipe replays it, and the six descriptors of the Gluon dK/dV launch are made afresh at
 # every call: measured on an H200 (bf16, D = 128, tuning log "Gluon kernels dispatched"), forward +

@@ -6,7 +6,7 @@ It computes what :func:`flashattn.backward._bwd_dkdv_kernel` computes for plain 
 variant, dense inputs), reading the same scratch rows: ``lse2`` (the forward's LSE in base 2, with
 the rows that saw no key pivoted at 0) and ``delta`` (rowsum(dO * O)), both float32 (B, Hq, N).
 The module also builds a dQ kernel in Gluon (:func:`dq`, laid out like the forward: one CTA per 128
-query rows); it is tested, and not dispatched yet (``flashattn._config.GLUON_HEAD_DIMS``).
+query rows), dispatched at D = 128 (``flashattn._config.GLUON_HEAD_DIMS``).
 
 Design (one CTA per 128-row key block of one (batch, K/V head)):
 

@@ -792,12 +792,12 @@ def test_gluon_kernels_run_only_where_the_rule_says(monkeypatch):
     gpu0 = torch.device("cuda", 0)
     big = _problem()  # 2 * 8 * 4096 * 4096 * 128 = 2^35
     assert big.batch * big.heads_q * big.n * big.m * big.head_dim == _config.GLUON_MIN_WORK
-    assert _config.gluon_kernel("fwd", big, gpu0) and _config.gluon_kernel("bwd_dkdv", big, gpu0)
-    assert not _config.gluon_kernel("bwd_dq", big, gpu0)  # dQ stays the portable kernel
+    assert all(_config.gluon_kernel(kernel, big, gpu0) for kernel in ("fwd", "bwd_dkdv", "bwd_dq"))
     assert not _config.gluon_kernel("fwd", big, torch.device("cpu"))
     assert not _config.gluon_kernel("fwd", _problem(n=4095), gpu0)  # just below the work bar
     for d in (64, 72, 96, 256):
         assert not _config.gluon_kernel("bwd_dkdv", _problem(d=d, n=8192), gpu0)
+        assert not _config.gluon_kernel("bwd_dq", _problem(d=d, n=8192), gpu0)
     for d in (64, 72, 96, 160):
         assert not _config.gluon_kernel("fwd", _problem(d=d, n=8192), gpu0)
     assert _config.gluon_kernel("fwd", _problem(d=256, n=2897, m=2897), gpu0)  # 2 * 8 * 2897^2 * 256 >= 2^35
@@ -805,6 +805,7 @@ def test_gluon_kernels_run_only_where_the_rule_says(monkeypatch):
     for variant in (dict(window=(128, 0)), dict(softcap=30.0), dict(alibi=True), dict(dropout_p=0.1)):
         assert not _config.gluon_kernel("fwd", _problem(**variant), gpu0), variant
         assert not _config.gluon_kernel("bwd_dkdv", _problem(**variant), gpu0), variant
+        assert not _config.gluon_kernel("bwd_dq", _problem(**variant), gpu0), variant
     with _config.tuning(gluon=False):
         assert not _config.gluon_kernel("fwd", big, gpu0)
     with _config.tuning(fwd=_config.KernelConfig(128, 64, 4, 2)):
@@ -857,7 +858,7 @@ _GLUON_CASES = [
 ]
 
 
-def _gluon_dispatched(q, k, causal, kernels=("fwd", "bwd_dkdv")):
+def _gluon_dispatched(q, k, causal, kernels=("fwd", "bwd_dkdv", "bwd_dq")):
     problem = Problem.of(q, k, causal)
     return {kernel: _config.gluon_kernel(kernel, problem, q.device) for kernel in kernels}
 
@@ -875,13 +876,13 @@ def test_gluon_kernels_match_float64(monkeypatch, dtype, d, b, h_q, h_kv, n, m, 
     monkeypatch.setattr(_config, "GLUON_MIN_WORK", 0)
     # the dK/dV kernel is built for D = 64 too (not dispatched: it loses there); the forward is tested
     # at D = 64 above
-    monkeypatch.setattr(_config, "GLUON_HEAD_DIMS", {"fwd": (128, 256), "bwd_dkdv": (64, 128)})
+    monkeypatch.setattr(_config, "GLUON_HEAD_DIMS", {"fwd": (128, 256), "bwd_dkdv": (64, 128), "bwd_dq": ()})
     monkeypatch.setattr(_config, "_GLUON", {})
     q, k, v, do = _inputs(b, h_q, h_kv, n, m, d, dtype, layout=layout, std=std, seed=n + m + d)
     dispatched = _gluon_dispatched(q, k, causal)
     if not any(dispatched.values()):
         pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
-    assert dispatched == {"fwd": d in (128, 256), "bwd_dkdv": d in (64, 128)}
+    assert dispatched == {"fwd": d in (128, 256), "bwd_dkdv": d in (64, 128), "bwd_dq": False}
     _, (o, lse, dq, dk, dv) = _check_against_reference(q, k, v, do, causal, d ** -0.5)
     _empty_rows_are_zero(causal, n, m, o, lse, dq)
 
@@ -894,8 +895,8 @@ def test_gluon_kernels_match_float64(monkeypatch, dtype, d, b, h_q, h_kv, n, m, 
     (1, 2, 2, 200, 64, True, "bhnd", 1.0),  # one key block, ragged query blocks
 ])
 def test_gluon_dq_kernel_matches_float64(monkeypatch, dtype, d, b, h_q, h_kv, n, m, causal, layout, std):
-    """The Gluon dQ kernel (built, not dispatched by default) with the rest of the backward, against
-    float64: the rule is opened to it at every size for this test."""
+    """The Gluon dQ kernel (dispatched at D = 128 by default; built for D = 64 too) with the rest of
+    the backward, against float64: the rule is opened to it at every size for this test."""
     monkeypatch.setattr(_config, "GLUON_MIN_WORK", 0)
     monkeypatch.setattr(_config, "GLUON_HEAD_DIMS", {"fwd": (), "bwd_dkdv": (), "bwd_dq": (64, 128)})
     monkeypatch.setattr(_config, "_GLUON", {})
@@ -912,14 +913,14 @@ def test_gluon_dq_kernel_matches_float64(monkeypatch, dtype, d, b, h_q, h_kv, n,
 @pytest.mark.parametrize("d", [128, 256])
 def test_gluon_kernels_at_the_default_bar_match_float64_and_repeat_bitwise(causal, d):
     """At the real dispatch bar (2^35 of work) the public API runs the Gluon kernels (at D = 256 the
-    forward alone): float64 check, two backward passes bitwise equal, the same bits under a CUDA
+    forward alone; at D = 128 the forward, dK/dV and dQ): float64 check, two backward passes bitwise equal, the same bits under a CUDA
     graph, and the launcher's direct path still on after them."""
     n = 4096 if d == 128 else 2897  # each at 2^35 of work or just above
     q, k, v, do = _inputs(2, 8, 2, n, n, d, torch.bfloat16, seed=23)
     dispatched = _gluon_dispatched(q, k, causal)
     if not any(dispatched.values()):
         pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
-    assert dispatched == {"fwd": True, "bwd_dkdv": d == 128}
+    assert dispatched == {"fwd": True, "bwd_dkdv": d == 128, "bwd_dq": d == 128}
     _check_against_reference(q, k, v, do, causal, d ** -0.5)
     problem = Problem.of(q, k, causal)
     o, lse = attention_forward(q, k, v, problem)
