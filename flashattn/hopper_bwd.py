@@ -276,7 +276,7 @@ def dkdv(q, k, v, do, lse2, delta, dk, dv, causal: bool, scale: float, stages: i
 
 
 # dQ in Gluon: one CTA per 128 query rows of one (batch, query head), built like the forward (two
-# consumer warpgroups of 64 rows, a TMA producer warp, a K/V ring); not dispatched yet (see dq()).
+# consumer warpgroups of 64 rows, a TMA producer warp, a K/V ring); dispatched at D = 128.
 DQ_BLOCK_N = 64        # keys per step
 DQ_STAGES = 3          # K/V ring depth: K_j stays in its slot until dQ += dS_j K_j completes, a step later
 
