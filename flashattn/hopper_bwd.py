@@ -289,7 +289,7 @@ def _build_dq_kernel():
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                    warpgroup_mma, warpgroup_mma_wait)
-    _query_blocks, _masked_scores, _load_kv_ring = hopper_fwd.gluon_helpers()  # shared with the forward
+    _query_blocks, _, _masked_scores, _load_kv_ring = hopper_fwd.gluon_helpers()  # shared with the forward
 
     @gluon.jit
     def _dq_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_full, v_full,
@@ -303,7 +303,7 @@ def _build_dq_kernel():
                                             q_smem.index(c).reshape([1, 1, HALF, HEAD_DIM]))
             tma.async_copy_global_to_shared(do_desc, [b, hq, m0 + c * HALF, 0], qdo_bar,
                                             do_smem.index(c).reshape([1, 1, HALF, HEAD_DIM]))
-        _load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, b, hkv, n_total,
+        _load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, b, hkv, n_total, 0,
                       BLOCK_N, HEAD_DIM, STAGES)
 
     @gluon.jit

@@ -56,6 +56,16 @@ def _config(head_dim: int):
     return 128, 2, False       # Q 32 KB + 2 * (32 + 32) KB = 160 KB
 
 
+def persistent_default(head_dim: int, causal: bool) -> bool:
+    """Whether :func:`forward` launches persistent CTAs (one per SM, each walking query blocks) by
+    default. Without a mask at D <= 128, where the next block's Q half loads into its own buffer
+    while a consumer finishes the last block, it measured 1-11% faster than one CTA per block on an
+    H200 (most at N = 1024). With the causal mask a CTA's blocks have unequal work and were slower
+    walked this way (0.71-1.01x, tuning log "A persistent forward"); at D = 256 O is staged in the Q
+    buffer, so the next Q waits for the store, and it measured within noise."""
+    return not causal and head_dim <= 128
+
+
 def triton_version_ok() -> bool:
     """Whether the installed Triton is 3.6, the version whose Gluon these kernels are written for."""
     try:
@@ -102,18 +112,21 @@ def available() -> bool:
 @functools.lru_cache(maxsize=None)
 def gluon_helpers():
     """Gluon functions shared by the kernels laid out per query block (this forward and
-    :func:`flashattn.hopper_bwd.dq`), as ``(query_blocks, masked_scores, load_kv_ring)``:
+    :func:`flashattn.hopper_bwd.dq`), as ``(query_blocks, tile_coords, masked_scores, load_kv_ring)``:
 
-    * ``query_blocks(N, M, HQ, GROUP, BLOCK_M, BLOCK_N, CAUSAL) -> (b, hq, hkv, bh, m0, n_total,
-      n_full)`` places the program: grid axis 0 enumerates (query block, batch * head), query block
-      fastest, so CTAs that run together share K/V in L2, and under causal the longest query blocks go
-      first. It returns the batch, query head, K/V head, batch * Hq + head, the block's first row, the
-      key blocks it visits and how many of the first of them need no mask;
+    * ``tile_coords(tile, N, M, HQ, GROUP, BLOCK_M, BLOCK_N, CAUSAL) -> (b, hq, hkv, bh, m0, n_total,
+      n_full)`` places a tile: tiles enumerate (query block, batch * head), query block fastest, so
+      CTAs that run together share K/V in L2, and under causal the longest query blocks go first. It
+      returns the batch, query head, K/V head, batch * Hq + head, the block's first row, the key
+      blocks it visits and how many of the first of them need no mask;
+    * ``query_blocks(N, M, HQ, GROUP, BLOCK_M, BLOCK_N, CAUSAL)``: the same for the tile numbered by
+      the program id (one tile per CTA);
     * ``masked_scores(s, n0, row0, M, q_off, CAUSAL, HALF, BLOCK_N, s_layout)`` sets to -inf the scores
       of a [HALF, BLOCK_N] tile (rows from ``row0``, keys from ``n0``) whose key lies past M or, under
       causal, after the row's last visible key (query i sees key j iff j <= i + q_off, q_off = M - N);
-    * ``load_kv_ring(...)`` is the producer's loop: K and V tiles of ``BLOCK_N`` keys of one K/V head
-      into a ring of ``STAGES`` slots, each slot refilled once both consumers released it."""
+    * ``load_kv_ring(..., n_total, base, ...)`` is the producer's loop: K and V tiles of ``BLOCK_N`` keys
+      of one K/V head into a ring of ``STAGES`` slots, each slot refilled once both consumers released
+      it; ``base`` is the number of fills the ring took before (a persistent CTA's earlier tiles)."""
     global gluon, gl, mbarrier, tma
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -121,10 +134,13 @@ def gluon_helpers():
 
     @gluon.jit
     def query_blocks(N, M, HQ, GROUP, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        return tile_coords(gl.program_id(0), N, M, HQ, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+
+    @gluon.jit
+    def tile_coords(tile, N, M, HQ, GROUP, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
         num_mb = gl.cdiv(N, BLOCK_M)
-        pid = gl.program_id(0)
-        bh = pid // num_mb
-        mb = pid % num_mb
+        bh = tile // num_mb
+        mb = tile % num_mb
         if CAUSAL:
             mb = num_mb - 1 - mb
         b = bh // HQ
@@ -152,14 +168,15 @@ def gluon_helpers():
         return gl.where(keep, s, -float("inf"))
 
     @gluon.jit
-    def load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, b, hkv, n_total,
+    def load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, b, hkv, n_total, base,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
         KV_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * 2
         for i in range(n_total):
-            s = i % STAGES
+            # the ring's (base + i)-th fill: base counts the fills of the CTA's earlier tiles
+            s = (base + i) % STAGES
             # A fresh mbarrier counts as having completed the phase before phase 0, so the first
             # STAGES waits (parity 1) return at once.
-            ph = ((i // STAGES) & 1) ^ 1
+            ph = (((base + i) // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(s), ph)
             mbarrier.expect(k_full.index(s), KV_BYTES)
             tma.async_copy_global_to_shared(k_desc, [b, hkv, i * BLOCK_N, 0], k_full.index(s),
@@ -169,7 +186,7 @@ def gluon_helpers():
             tma.async_copy_global_to_shared(v_desc, [b, hkv, i * BLOCK_N, 0], v_full.index(s),
                                             v_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]))
 
-    return query_blocks, masked_scores, load_kv_ring
+    return query_blocks, tile_coords, masked_scores, load_kv_ring
 
 
 def _build_kernel():
@@ -177,25 +194,34 @@ def _build_kernel():
     module works on any Triton (or none) and touches no GPU state. The Gluon names become module
     globals, where the JIT resolves them (annotations included)."""
     global gluon, gl, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-    global _query_blocks, _masked_scores, _load_kv_ring
+    global _tile_coords, _masked_scores, _load_kv_ring
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                    warpgroup_mma, warpgroup_mma_wait)
-    _query_blocks, _masked_scores, _load_kv_ring = gluon_helpers()
+    _, _tile_coords, _masked_scores, _load_kv_ring = gluon_helpers()
 
     @gluon.jit
-    def _fa_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty,
-                     b, hq, hkv, m0, n_total,
-                     HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-        # One warp: Q halves once, then K and V tiles into the ring.
+    def _fa_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full, k_empty,
+                     v_empty, BH, HQ, GROUP, N, M,
+                     CAUSAL: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     STAGES: gl.constexpr):
+        # One warp: per tile, the Q halves (once the consumers are done with the last ones), then K
+        # and V tiles into the ring, whose fills carry on from tile to tile.
         QBYTES: gl.constexpr = HALF * HEAD_DIM * 2
-        for c in gl.static_range(2):
-            mbarrier.expect(q_bars.index(c), QBYTES)
-            tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + c * HALF, 0], q_bars.index(c),
-                                            q_smem.index(c).reshape([1, 1, HALF, HEAD_DIM]))
-        _load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, b, hkv, n_total,
-                      BLOCK_N, HEAD_DIM, STAGES)
+        t = 0
+        kv = 0
+        for tile in range(gl.program_id(0), BH * gl.cdiv(N, 2 * HALF), gl.num_programs(0)):
+            b, hq, hkv, bh, m0, n_total, n_full = _tile_coords(tile, N, M, HQ, GROUP, 2 * HALF, BLOCK_N, CAUSAL)
+            for c in gl.static_range(2):
+                mbarrier.wait(q_empty.index(c), (t & 1) ^ 1)
+                mbarrier.expect(q_bars.index(c), QBYTES)
+                tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + c * HALF, 0], q_bars.index(c),
+                                                q_smem.index(c).reshape([1, 1, HALF, HEAD_DIM]))
+            _load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, b, hkv, n_total, kv,
+                          BLOCK_N, HEAD_DIM, STAGES)
+            t += 1
+            kv += n_total
 
 
     @gluon.jit
@@ -216,15 +242,16 @@ def _build_kernel():
 
     # --8<-- [start:gluon-fwd-step]
     @gluon.jit
-    def _fa_step(i, q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn_mine, turn_other,
+    def _fa_step(i, kv, q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn_mine, turn_other,
                  m_i, l_i, p, acc, row0, M, q_off, qk_scale,
                  CONSUMER: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                  HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
         # Key block i: S_i = Q K_i^T and O += P_{i-1} V_{i-1}, softmax of S_i under the P V product.
-        s_idx = i % STAGES
-        s_ph = (i // STAGES) & 1
-        j = i - 1
+        # Block i is the ring's fill kv + i (kv: the fills of this CTA's earlier tiles).
+        s_idx = (kv + i) % STAGES
+        s_ph = ((kv + i) // STAGES) & 1
+        j = kv + i - 1
         v_idx = j % STAGES
         v_ph = (j // STAGES) & 1
         mbarrier.wait(k_full.index(s_idx), s_ph)
@@ -250,11 +277,12 @@ def _build_kernel():
 
 
     @gluon.jit
-    def _fa_consumer(q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty, turn_bars, o_desc, lse_ptr,
-                     b, hq, bh, m0, N, M, n_full, n_total, qk_scale,
-                     CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                     HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-        # One warpgroup: query rows [m0 + CONSUMER * HALF, + HALF).
+    def _fa_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
+                 o_desc, lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, t, kv, qk_scale,
+                 CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr,
+                 HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        # One warpgroup, one tile: query rows [m0 + CONSUMER * HALF, + HALF) of the CTA's tile number
+        # t, whose key blocks are the ring's fills kv, kv + 1, ...
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -269,37 +297,41 @@ def _build_kernel():
         turn_other = turn_bars.index(1 - CONSUMER)
 
         q = q_smem.index(CONSUMER)
-        mbarrier.wait(q_bars.index(CONSUMER), 0)
+        mbarrier.wait(q_bars.index(CONSUMER), t & 1)
 
         m_i = gl.full([HALF], -1.0e30, gl.float32, row_s)
         l_i = gl.full([HALF], 0.0, gl.float32, row_s)
         acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
         if n_total > 0:
             # Prologue: S_0 alone (always masked: it may be the ragged or diagonal block).
-            mbarrier.wait(k_full.index(0), 0)
+            mbarrier.wait(k_full.index(kv % STAGES), (kv // STAGES) & 1)
             if PINGPONG:
                 mbarrier.wait(turn_mine, 1 - CONSUMER)
-            s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)),
+            s_tok = warpgroup_mma(q, k_smem.index(kv % STAGES).permute((1, 0)),
                                   gl.zeros([HALF, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn_other)
             s = warpgroup_mma_wait(0, deps=(s_tok, ))
-            mbarrier.arrive(k_empty.index(0))
+            mbarrier.arrive(k_empty.index(kv % STAGES))
             p32, alpha, m_i, l_i = _fa_softmax(s, m_i, l_i, 0, row0, M, q_off, qk_scale, True, CAUSAL, HALF, BLOCK_N,
                                                s_layout)
             p = gl.convert_layout(p32.to(q.dtype), p_layout)
             # Key blocks every row of this CTA sees in full: no mask.
             for i in range(1, n_full):
-                m_i, l_i, p, acc = _fa_step(i, q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn_mine,
+                m_i, l_i, p, acc = _fa_step(i, kv, q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn_mine,
                                             turn_other, m_i, l_i, p, acc, row0, M, q_off, qk_scale, CONSUMER, False,
                                             CAUSAL, PINGPONG, HALF, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
             # Diagonal and ragged key blocks: masked.
             for i in range(gl.maximum(n_full, 1), n_total):
-                m_i, l_i, p, acc = _fa_step(i, q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn_mine,
+                m_i, l_i, p, acc = _fa_step(i, kv, q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn_mine,
                                             turn_other, m_i, l_i, p, acc, row0, M, q_off, qk_scale, CONSUMER, True,
                                             CAUSAL, PINGPONG, HALF, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
+            if not O_IN_Q:
+                # Every S product of this tile has completed: the producer may load the next tile's
+                # Q half while this consumer finishes the tile.
+                mbarrier.arrive(q_empty.index(CONSUMER))
             # Epilogue: the last P V.
-            j = n_total - 1
+            j = kv + n_total - 1
             v_idx = j % STAGES
             mbarrier.wait(v_full.index(v_idx), (j // STAGES) & 1)
             if PINGPONG:
@@ -309,6 +341,8 @@ def _build_kernel():
                 mbarrier.arrive(turn_other)
             acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
             mbarrier.arrive(v_empty.index(v_idx))
+        elif not O_IN_Q:
+            mbarrier.arrive(q_empty.index(CONSUMER))  # no key: Q was never read
 
         # o = acc / l (0 where the row saw nothing: then acc is 0 too); lse = ln2 * (m + log2 l).
         l_o = gl.convert_layout(l_i, row_o)
@@ -316,31 +350,64 @@ def _build_kernel():
         lse = gl.where(l_i == 0.0, -float("inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
         rows = row0 + gl.arange(0, HALF, layout=row_s)
         gl.store(lse_ptr + bh.to(gl.int64) * N + rows, lse, mask=rows < N)
-        # The Q tile is dead (every S GEMM has completed): stage O there and TMA-store it; TMA clips
-        # rows >= N.
-        q.store(o.to(q.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [b, hq, row0, 0], q.reshape([1, 1, HALF, HEAD_DIM]))
+        # O leaves through shared memory by TMA, which clips rows >= N: through the dead Q tile where
+        # there is no room for a buffer of its own (Q is then released once the store has read it),
+        # else through this consumer's O buffer, once the previous tile's store has read that.
+        if O_IN_Q:
+            q.store(o.to(q.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [b, hq, row0, 0], q.reshape([1, 1, HALF, HEAD_DIM]))
+            tma.store_wait(0)
+            mbarrier.arrive(q_empty.index(CONSUMER))
+        else:
+            o_buf = o_smem.index(CONSUMER)
+            tma.store_wait(0)
+            o_buf.store(o.to(q.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [b, hq, row0, 0], o_buf.reshape([1, 1, HALF, HEAD_DIM]))
+
+
+    @gluon.jit
+    def _fa_consumer(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
+                     o_desc, lse_ptr, BH, HQ, GROUP, N, M, qk_scale,
+                     CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr,
+                     HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        # The CTA's tiles in the producer's order: pid, pid + grid, ... (one tile unless the launch is
+        # persistent, with fewer CTAs than tiles).
+        t = 0
+        kv = 0
+        for tile in range(gl.program_id(0), BH * gl.cdiv(N, 2 * HALF), gl.num_programs(0)):
+            b, hq, hkv, bh, m0, n_total, n_full = _tile_coords(tile, N, M, HQ, GROUP, 2 * HALF, BLOCK_N, CAUSAL)
+            _fa_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
+                     o_desc, lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, t, kv, qk_scale,
+                     CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)
+            t += 1
+            kv += n_total
         tma.store_wait(0)
 
 
     @gluon.jit
     def _fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
-                       HQ, GROUP, N, M, qk_scale,
+                       BH, HQ, GROUP, N, M, qk_scale,
                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr):
+                       CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                       PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         HALF: gl.constexpr = 64
-        BLOCK_M: gl.constexpr = 2 * HALF
         dtype: gl.constexpr = q_desc.dtype
-        b, hq, hkv, bh, m0, n_total, n_full = _query_blocks(N, M, HQ, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+        # O has a staging buffer of its own unless that would overflow shared memory (D = 256)
+        O_IN_Q: gl.constexpr = HEAD_DIM > 128
 
         smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
         q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_layout)
+        if O_IN_Q:
+            o_smem = q_smem
+        else:
+            o_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
         q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -348,6 +415,7 @@ def _build_kernel():
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for c in gl.static_range(2):
             mbarrier.init(q_bars.index(c), count=1)
+            mbarrier.init(q_empty.index(c), count=1)
             mbarrier.init(turn_bars.index(c), count=1)
         for s in gl.static_range(STAGES):
             mbarrier.init(k_full.index(s), count=1)
@@ -357,14 +425,14 @@ def _build_kernel():
         fence_async_shared()
 
         gl.warp_specialize([
-            (_fa_consumer, (q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty, turn_bars, o_desc,
-                            lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, qk_scale, 0, CAUSAL, PINGPONG, HALF,
-                            BLOCK_N, HEAD_DIM, STAGES)),
-            (_fa_consumer, (q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty, turn_bars, o_desc,
-                            lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, qk_scale, 1, CAUSAL, PINGPONG, HALF,
-                            BLOCK_N, HEAD_DIM, STAGES)),
-            (_fa_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty, v_empty,
-                            b, hq, hkv, m0, n_total, HALF, BLOCK_N, HEAD_DIM, STAGES)),
+            (_fa_consumer, (q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
+                            turn_bars, o_desc, lse_ptr, BH, HQ, GROUP, N, M, qk_scale, 0, CAUSAL, PINGPONG,
+                            O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)),
+            (_fa_consumer, (q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
+                            turn_bars, o_desc, lse_ptr, BH, HQ, GROUP, N, M, qk_scale, 1, CAUSAL, PINGPONG,
+                            O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)),
+            (_fa_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full, k_empty,
+                            v_empty, BH, HQ, GROUP, N, M, CAUSAL, HALF, BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     return _fa_fwd_kernel
@@ -424,12 +492,13 @@ def launch(kernel, grid: int, args: tuple, constexprs: dict, warps: int = 4) -> 
 
 
 def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong: bool | None = None,
-            block_n: int | None = None, stages: int | None = None, out=None):
+            block_n: int | None = None, stages: int | None = None, out=None, persistent: bool | None = None):
     """FlashAttention forward on Hopper: returns (o, lse) with o like q and lse float32 (B, Hq, N).
 
-    ``scale`` defaults to 1/sqrt(D). ``pingpong``, ``block_n`` and ``stages`` are tuning knobs (the
-    defaults come from :func:`_config`). ``out``, when given, receives o: any (B, Hq, N, D) tensor of
-    q's dtype whose head dim is contiguous, such as one laid out like q."""
+    ``scale`` defaults to 1/sqrt(D). ``pingpong``, ``block_n``, ``stages`` and ``persistent`` are
+    tuning knobs (defaults from :func:`_config`): ``persistent`` launches at most one CTA per SM,
+    each walking query blocks pid, pid + grid, ..., instead of one CTA per block. ``out``, when given, receives o: any (B, Hq, N, D) tensor of q's dtype whose
+    head dim is contiguous, such as one laid out like q."""
     import torch
 
     from flashattn._triton import ceil_div, describable
@@ -460,10 +529,20 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     block_n = block_n or cfg_n
     stages = stages or cfg_stages
     pingpong = cfg_pp if pingpong is None else pingpong
+    persistent = persistent_default(D, causal) if persistent is None else persistent
+    assert not (pingpong and persistent), "ping-pong counts its turns within one tile: one tile per CTA"
     q_desc, k_desc, v_desc, o_desc = (descriptor(q, HALF_M), descriptor(k, block_n), descriptor(v, block_n),
                                       descriptor(o, HALF_M))
-    launch(kernel, ceil_div(N, BLOCK_M) * B * Hq,
-           (q_desc, k_desc, v_desc, o_desc, lse, Hq, Hq // Hkv, N, M, float(scale) * LOG2E),
+    tiles = ceil_div(N, BLOCK_M) * B * Hq
+    launch(kernel, min(tiles, _sm_count(q.device.index)) if persistent else tiles,
+           (q_desc, k_desc, v_desc, o_desc, lse, B * Hq, Hq, Hq // Hkv, N, M, float(scale) * LOG2E),
            dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), PINGPONG=bool(pingpong),
                 PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS))
     return o, lse
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count

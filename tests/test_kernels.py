@@ -848,6 +848,42 @@ def test_hopper_forward_matches_float64(dtype, d, b, h_q, h_kv, n, m, causal, la
     assert_close_ratio("lse", lse, lse64, lse16.float())
 
 
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("b, h_q, h_kv, n, m", [
+    (8, 40, 8, 1000, 1000),  # 2560 query blocks, more than any GPU has SMs: every CTA walks many
+    (3, 50, 10, 650, 1300),  # N < M, ragged last block
+    (4, 36, 36, 1500, 700),  # N > M: under causal the first 800 rows of a head see no key
+])
+def test_hopper_forward_persistent_matches_float64_and_one_cta_per_block(d, causal, b, h_q, h_kv, n, m):
+    """A persistent launch (CTAs walking query blocks, the K/V ring and the Q and O buffers carried
+    from block to block) gives the same bits as one CTA per block, and float64's answer, with either
+    mask and where blocks have unequal work."""
+    from flashattn import hopper_fwd
+
+    q, k, v = random_qkv(b, h_q, h_kv, n, m, d, dtype=torch.bfloat16, device="cuda")
+    if not hopper_fwd.supported(q, k, v, causal):
+        pytest.skip("the Gluon forward runs on sm_90 with Triton 3.6 only")
+    o, lse = hopper_fwd.forward(q, k, v, causal, persistent=True)
+    o1, lse1 = hopper_fwd.forward(q, k, v, causal, persistent=False)
+    assert torch.equal(o, o1) and torch.equal(lse, lse1)
+    o64, lse64 = naive_attention(q.double(), k.double(), v.double(), causal=causal)
+    o16, lse16 = naive_attention(q, k, v, causal=causal)
+    assert_close_ratio("o", o, o64, o16)
+    assert_close_ratio("lse", lse, lse64, lse16.float())
+
+
+def test_hopper_forward_is_persistent_only_where_it_measured_faster():
+    """The default launch: persistent without a mask at D <= 128, one CTA per query block otherwise."""
+    from flashattn import hopper_fwd
+
+    assert hopper_fwd.persistent_default(64, False) and hopper_fwd.persistent_default(128, False)
+    assert not hopper_fwd.persistent_default(256, False)
+    assert not any(hopper_fwd.persistent_default(d, True) for d in (64, 128, 256))
+
+
 # (B, Hq, Hkv, N, M, causal, layout, logit scale) of the Gluon kernels' float64 checks
 _GLUON_CASES = [
     (2, 4, 4, 1000, 1000, False, "bhnd", 1.0),
