@@ -2,13 +2,19 @@
 
     o, lse = forward(q, k, v, causal, scale)      # q (B, Hq, N, D); k, v (B, Hkv, M, D)
 
-Design (one CTA per 128-row query block of one (batch, head)):
+Design (a CTA computes 128-row query blocks of one (batch, head) at a time: one block, or with a
+persistent launch the blocks pid, pid + grid, ... of a grid of at most one CTA per SM):
 
 * three warp-specialized partitions (``gl.warp_specialize``):
   - consumer 0: the default partition, 4 warps (one warpgroup), query rows [0, 64) of the block;
   - consumer 1: a worker partition, 4 warps, query rows [64, 128);
-  - producer: a worker partition, 1 warp, 24 registers, that issues every TMA load: the two Q
-    halves once, then K and V tiles into a ring of ``STAGES`` shared-memory slots.
+  - producer: a worker partition, 1 warp, 24 registers, that issues every TMA load: per block the
+    two Q halves, then K and V tiles into a ring of ``STAGES`` shared-memory slots, whose fills
+    carry on from block to block.
+* a persistent CTA's producer loads the next block's Q half once that half's consumer has issued
+  its last S product of the current block (an "empty" mbarrier per half); O leaves through a
+  buffer of its own (D <= 128) by TMA, so the next Q may land while O is stored. At D = 256 there
+  is no room for that buffer: O is staged in the dead Q half, which is released after the store.
   The kernel runs with ``maxnreg=168`` so that the register allocator gives each consumer
   warpgroup 240 registers per thread (12 warps * 168 = 4 * 240 + 4 * 240 + 4 * 24).
 * K and V of a slot have separate "full" mbarriers (expect-tx, completed by TMA) and separate
@@ -367,6 +373,7 @@ def _build_kernel():
             tma.async_copy_shared_to_global(o_desc, [b, hq, row0, 0], o_buf.reshape([1, 1, HALF, HEAD_DIM]))
 
 
+    # --8<-- [start:gluon-fwd-persistent]
     @gluon.jit
     def _fa_consumer(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
                      o_desc, lse_ptr, BH, HQ, GROUP, N, M, qk_scale,
@@ -384,6 +391,7 @@ def _build_kernel():
             t += 1
             kv += n_total
         tma.store_wait(0)
+    # --8<-- [end:gluon-fwd-persistent]
 
 
     @gluon.jit
