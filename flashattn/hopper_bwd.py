@@ -451,7 +451,7 @@ def dq(q, k, v, do, lse2, delta, dq_out, causal: bool, scale: float, block_n: in
        stages: int | None = None) -> None:
     """Fill ``dq_out`` (laid out like q, head dim contiguous) for plain attention; the inputs are those
     of :func:`dkdv`. The backward runs it where ``flashattn._config.gluon_kernel("bwd_dq", ...)``
-    says so, which is nowhere by default yet (tuning log, "A dQ kernel in Gluon")."""
+    says so: large plain problems at D = 128 (tuning log, "A dQ kernel in Gluon" and "Run 25")."""
     from flashattn._triton import ceil_div
     from flashattn.constants import LOG2E
 
