@@ -123,6 +123,24 @@ class FlashAttnPortable(FlashAttn):
         return fn
 
 
+class FlashAttnOneStream(FlashAttn):
+    """flashattn.attention with the backward's dQ kernel always after dK/dV on one stream (flashattn._config.tuning(overlap_dq=False)), never beside it on a second stream: for A/B runs of that choice. Not in the default run."""
+
+    name, label, ours = "flashattn_one_stream", "flashattn, dQ after dK/dV on one stream", False
+
+    def prepare(self, setting, device):
+        from flashattn import _config
+
+        inner = super().prepare(setting, device)
+
+        def fn(q, k, v):
+            with _config.tuning(overlap_dq=False):  # the autograd function keeps it for the backward
+                return inner(q, k, v)
+
+        fn.gqa = inner.gqa
+        return fn
+
+
 class SDPA(Provider):
     """torch.nn.functional.scaled_dot_product_attention restricted to one backend by torch.nn.attention.sdpa_kernel; GQA by enable_gqa=True where the backend takes it, else K/V repeated."""
 
@@ -293,6 +311,7 @@ PROVIDERS = {
     for p in (
         FlashAttn(),
         FlashAttnPortable(),
+        FlashAttnOneStream(),
         SDPA("sdpa_flash", "SDPA flash (FlashAttention 2)", "FLASH_ATTENTION"),
         SDPA("sdpa_cudnn", "SDPA cuDNN", "CUDNN_ATTENTION"),
         SDPA("sdpa_efficient", "SDPA memory-efficient", "EFFICIENT_ATTENTION"),

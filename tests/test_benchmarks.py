@@ -1154,3 +1154,38 @@ def test_hostcost_refuses_the_interpreter_and_restores_the_package(monkeypatch):
     with hostcost.launches_disabled():
         assert _triton._COMPILED is not before[0] and ops.use_kernels is not before[2]
     assert (_triton._COMPILED, _triton._current_device, ops.use_kernels) == before
+
+
+@pytest.mark.parametrize("name, expected", [("flashattn_portable", dict(gluon=False, overlap_dq=True)),
+                                            ("flashattn_one_stream", dict(gluon=True, overlap_dq=False))])
+def test_ab_providers_run_flashattn_under_their_tuning_forward_and_backward(monkeypatch, name, expected):
+    """The A/B providers call flashattn.attention with their tuning in force, and the backward runs
+    under it too (the autograd function keeps the caller's tuning); outside the call the default holds."""
+    from flashattn import _config, autograd
+
+    seen = []
+    original = autograd.backend
+
+    def backend(*args, **kwargs):  # record the tuning in force where each pass runs
+        forward, backward = original(*args, **kwargs)
+
+        def fwd(*a, **kw):
+            seen.append(("fwd", _config.current_tuning()))
+            return forward(*a, **kw)
+
+        def bwd(*a, **kw):
+            seen.append(("bwd", _config.current_tuning()))
+            return backward(*a, **kw)
+
+        return fwd, bwd
+
+    monkeypatch.setattr(autograd, "backend", backend)
+    setting = grid.Setting("float64", 16, True, 32, 1, 2)
+    fn = providers.PROVIDERS[name].prepare(setting, "cpu")
+    q, k, v = (torch.randn(1, 2, 32, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    fn(q, k, v).sum().backward()
+    assert [kind for kind, _ in seen] == ["fwd", "bwd"]
+    for _, state in seen:
+        assert {key: getattr(state, key) for key in expected} == expected
+    assert _config.tuning_is_default()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
