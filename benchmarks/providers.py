@@ -105,40 +105,38 @@ class FlashAttn(Provider):
         return LatencyParts(inner)
 
 
-class FlashAttnPortable(FlashAttn):
-    """flashattn.attention with the Hopper kernels in Gluon turned off (flashattn._config.tuning(gluon=False)): the portable Triton kernels alone, for A/B runs on sm_90; elsewhere the same as flashattn. Not in the default run."""
+class FlashAttnTuned(FlashAttn):
+    """flashattn.attention inside ``flashattn._config.tuning(**TUNING)``: flashattn timed against itself
+    with one launch choice changed (the autograd function keeps the tuning for the backward). Not in
+    the default run."""
 
-    name, label, ours = "flashattn_portable", "flashattn, portable kernels only", False
+    TUNING: dict = {}
 
     def prepare(self, setting, device):
         from flashattn import _config
 
         inner = super().prepare(setting, device)
+        tuning = self.TUNING
 
         def fn(q, k, v):
-            with _config.tuning(gluon=False):  # the autograd function keeps it for the backward
+            with _config.tuning(**tuning):
                 return inner(q, k, v)
 
         fn.gqa = inner.gqa
         return fn
 
 
-class FlashAttnOneStream(FlashAttn):
+class FlashAttnPortable(FlashAttnTuned):
+    """flashattn.attention with the Hopper kernels in Gluon turned off (flashattn._config.tuning(gluon=False)): the portable Triton kernels alone, for A/B runs on sm_90; elsewhere the same as flashattn. Not in the default run."""
+
+    name, label, ours, TUNING = "flashattn_portable", "flashattn, portable kernels only", False, {"gluon": False}
+
+
+class FlashAttnOneStream(FlashAttnTuned):
     """flashattn.attention with the backward's dQ kernel always after dK/dV on one stream (flashattn._config.tuning(overlap_dq=False)), never beside it on a second stream: for A/B runs of that choice. Not in the default run."""
 
     name, label, ours = "flashattn_one_stream", "flashattn, dQ after dK/dV on one stream", False
-
-    def prepare(self, setting, device):
-        from flashattn import _config
-
-        inner = super().prepare(setting, device)
-
-        def fn(q, k, v):
-            with _config.tuning(overlap_dq=False):  # the autograd function keeps it for the backward
-                return inner(q, k, v)
-
-        fn.gqa = inner.gqa
-        return fn
+    TUNING = {"overlap_dq": False}
 
 
 class SDPA(Provider):
