@@ -72,6 +72,26 @@ def persistent_default(head_dim: int, causal: bool) -> bool:
     return not causal and head_dim <= 128
 
 
+def walk_work(batch_heads: int, n: int, m: int, ctas: int, causal: bool, block_n: int = 128) -> list[int]:
+    """The key blocks each of ``ctas`` persistent CTAs would walk, computed on the host: CTA p takes
+    the tiles p, p + ctas, ... in the kernel's order (``tile_coords``: the query blocks of one
+    (batch, head) after another, the longest first under causal), and a tile of ``BLOCK_M`` query rows
+    visits the key blocks :func:`flashattn.schedule.forward_key_range` gives it. For the Hopper page's
+    figure and its numbers (tested); the kernel itself computes the same in ``tile_coords``."""
+    from flashattn import schedule
+
+    num_mb = -(-n // BLOCK_M)
+    blocks = []
+    for mb in range(num_mb):
+        _, hi = schedule.forward_key_range(mb * BLOCK_M, BLOCK_M, block_n, n, m, causal)
+        blocks.append(-(-max(hi, 0) // block_n))
+    order = blocks[::-1] if causal else blocks  # tile t of a head is block num_mb - 1 - t under causal
+    work = [0] * ctas
+    for tile in range(batch_heads * num_mb):
+        work[tile % ctas] += order[tile % num_mb]
+    return work
+
+
 def triton_version_ok() -> bool:
     """Whether the installed Triton is 3.6, the version whose Gluon these kernels are written for."""
     try:

@@ -875,6 +875,36 @@ def test_hopper_forward_persistent_matches_float64_and_one_cta_per_block(d, caus
     assert_close_ratio("lse", lse, lse64, lse16.float())
 
 
+@pytest.mark.parametrize("batch_heads, n, m, ctas", [(16, 16384, 16384, 132), (3, 1000, 1300, 5), (4, 700, 300, 7)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_persistent_walk_work_counts_the_key_blocks_each_cta_visits(batch_heads, n, m, ctas, causal):
+    """hopper_fwd.walk_work (the Hopper page's figure and numbers) against a count from the definition:
+    a 128-row query block visits every key block up to the last one holding a key that one of its
+    rows sees (bottom-right causal alignment), and CTA p takes tiles p, p + ctas, ... in the kernel's
+    order, the longest block of a head first under causal."""
+    from flashattn import hopper_fwd
+    from flashattn.schedule import is_visible
+
+    num_mb, num_nb = -(-n // 128), -(-m // 128)
+
+    def blocks(mb):  # key blocks up to the last with a visible key for some row of the block
+        last = max((j for i in range(mb * 128, min(n, mb * 128 + 128)) for j in range(m)
+                    if is_visible(i, j, n, m, causal)), default=-1)
+        return last // 128 + 1
+
+    per_block = {mb: blocks(mb) for mb in range(num_mb)} if n * m <= 2_000_000 else {
+        mb: min(num_nb, -(-(mb * 128 + 128 + m - n) // 128)) if causal else num_nb for mb in range(num_mb)}
+    expected = [0] * ctas
+    for tile in range(batch_heads * num_mb):
+        mb = tile % num_mb
+        expected[tile % ctas] += per_block[num_mb - 1 - mb if causal else mb]
+    assert hopper_fwd.walk_work(batch_heads, n, m, ctas, causal) == expected
+    if (batch_heads, n, causal) == (16, 16384, True):  # the numbers the Hopper page quotes
+        work = expected
+        assert (work[0], work[64], max(work)) == (1568, 544, 1568)
+        assert round(max(work) / (sum(work) / ctas), 2) == 1.57
+
+
 def test_hopper_forward_is_persistent_only_where_it_measured_faster():
     """The default launch: persistent without a mask at D <= 128, one CTA per query block otherwise."""
     from flashattn import hopper_fwd

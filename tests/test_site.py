@@ -225,7 +225,8 @@ def test_notebooks_were_executed(site):
 
 @slow
 def test_figures_are_built(site):
-    for name in ("causal-schedule", "window-schedule", "tiling", "pointer-offsets", "masking", "warpgroup-timeline"):
+    for name in ("causal-schedule", "window-schedule", "tiling", "pointer-offsets", "masking", "warpgroup-timeline",
+                 "persistent-walk"):
         svg = site / "figures" / f"{name}.svg"
         assert svg.is_file() and svg.stat().st_size > 10_000, name
 

@@ -520,6 +520,31 @@ def warpgroup_timeline() -> str:
     return _svg(fig)
 
 
+def persistent_walk() -> str:
+    """Key blocks per CTA when 132 persistent CTAs walk the forward's query blocks in the kernel's
+    order (flashattn.hopper_fwd.walk_work), without a mask and with the causal one."""
+    from flashattn.hopper_fwd import walk_work
+
+    heads, n, ctas = 16, 16384, 132
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.2), sharey=True)
+    for ax, causal in zip(axes, (False, True)):
+        work = walk_work(heads, n, n, ctas, causal)
+        mean = sum(work) / len(work)
+        ax.bar(range(ctas), work, width=1.0, color=COLORS[schedule.MASKED if causal else schedule.FULL])
+        ax.axhline(mean, color="black", linewidth=1, linestyle="--")
+        ax.text(ctas - 1, mean, f"mean {mean:.0f}", ha="right", va="bottom", fontsize=8)
+        ax.set_title(f"{'causal' if causal else 'no mask'}: busiest CTA {max(work)} key blocks, "
+                     f"{max(work) / mean:.2f} x the mean", fontsize=10)
+        ax.set_xlabel("CTA (one per SM)")
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    axes[0].set_ylabel("key blocks walked")
+    fig.suptitle(f"Persistent walk of the forward's query blocks: B x H = {heads}, N = M = {n}, "
+                 f"128 x 128 tiles, {ctas} CTAs taking blocks p, p + {ctas}, ...", fontsize=10)
+    fig.tight_layout()
+    return _svg(fig)
+
+
 FIGURES = {
     "packing": packing,
     "dataflow": dataflow,
@@ -530,6 +555,7 @@ FIGURES = {
     "pointer-offsets": pointer_offsets,
     "masking": masking,
     "warpgroup-timeline": warpgroup_timeline,
+    "persistent-walk": persistent_walk,
 }
 
 
