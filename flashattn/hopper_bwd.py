@@ -284,12 +284,12 @@ DQ_STAGES = 3          # K/V ring depth: K_j stays in its slot until dQ += dS_j 
 def _build_dq_kernel():
     """Define the Gluon dQ kernel (Gluon imported here, never at module import)."""
     global gluon, gl, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-    global _query_blocks, _masked_scores, _load_kv_ring
+    global _tile_coords, _masked_scores, _load_kv_ring
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                    warpgroup_mma, warpgroup_mma_wait)
-    _query_blocks, _, _masked_scores, _load_kv_ring = hopper_fwd.gluon_helpers()  # shared with the forward
+    _tile_coords, _masked_scores, _load_kv_ring = hopper_fwd.gluon_helpers()  # shared with the forward
 
     @gluon.jit
     def _dq_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, qdo_bar, k_full, v_full,
@@ -404,7 +404,9 @@ def _build_dq_kernel():
         HALF: gl.constexpr = 64
         BLOCK_M: gl.constexpr = 2 * HALF
         dtype: gl.constexpr = q_desc.dtype
-        b, hq, hkv, bh, m0, n_total, n_full = _query_blocks(N, M, HQ, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+        # one tile per CTA: the program id numbers it
+        b, hq, hkv, bh, m0, n_total, n_full = _tile_coords(gl.program_id(0), N, M, HQ, GROUP, BLOCK_M, BLOCK_N,
+                                                           CAUSAL)
 
         half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)

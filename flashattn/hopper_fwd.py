@@ -138,15 +138,13 @@ def available() -> bool:
 @functools.lru_cache(maxsize=None)
 def gluon_helpers():
     """Gluon functions shared by the kernels laid out per query block (this forward and
-    :func:`flashattn.hopper_bwd.dq`), as ``(query_blocks, tile_coords, masked_scores, load_kv_ring)``:
+    :func:`flashattn.hopper_bwd.dq`), as ``(tile_coords, masked_scores, load_kv_ring)``:
 
     * ``tile_coords(tile, N, M, HQ, GROUP, BLOCK_M, BLOCK_N, CAUSAL) -> (b, hq, hkv, bh, m0, n_total,
       n_full)`` places a tile: tiles enumerate (query block, batch * head), query block fastest, so
       CTAs that run together share K/V in L2, and under causal the longest query blocks go first. It
       returns the batch, query head, K/V head, batch * Hq + head, the block's first row, the key
       blocks it visits and how many of the first of them need no mask;
-    * ``query_blocks(N, M, HQ, GROUP, BLOCK_M, BLOCK_N, CAUSAL)``: the same for the tile numbered by
-      the program id (one tile per CTA);
     * ``masked_scores(s, n0, row0, M, q_off, CAUSAL, HALF, BLOCK_N, s_layout)`` sets to -inf the scores
       of a [HALF, BLOCK_N] tile (rows from ``row0``, keys from ``n0``) whose key lies past M or, under
       causal, after the row's last visible key (query i sees key j iff j <= i + q_off, q_off = M - N);
@@ -157,10 +155,6 @@ def gluon_helpers():
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-
-    @gluon.jit
-    def query_blocks(N, M, HQ, GROUP, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-        return tile_coords(gl.program_id(0), N, M, HQ, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
 
     @gluon.jit
     def tile_coords(tile, N, M, HQ, GROUP, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
@@ -212,7 +206,7 @@ def gluon_helpers():
             tma.async_copy_global_to_shared(v_desc, [b, hkv, i * BLOCK_N, 0], v_full.index(s),
                                             v_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]))
 
-    return query_blocks, tile_coords, masked_scores, load_kv_ring
+    return tile_coords, masked_scores, load_kv_ring
 
 
 def _build_kernel():
@@ -225,7 +219,7 @@ def _build_kernel():
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                    warpgroup_mma, warpgroup_mma_wait)
-    _, _tile_coords, _masked_scores, _load_kv_ring = gluon_helpers()
+    _tile_coords, _masked_scores, _load_kv_ring = gluon_helpers()
 
     @gluon.jit
     def _fa_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full, k_empty,
@@ -529,6 +523,7 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     head dim is contiguous, such as one laid out like q."""
     import torch
 
+    from flashattn import _config
     from flashattn._triton import ceil_div, describable
     from flashattn.constants import LOG2E
 
@@ -562,15 +557,9 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     q_desc, k_desc, v_desc, o_desc = (descriptor(q, HALF_M), descriptor(k, block_n), descriptor(v, block_n),
                                       descriptor(o, HALF_M))
     tiles = ceil_div(N, BLOCK_M) * B * Hq
-    launch(kernel, min(tiles, _sm_count(q.device.index)) if persistent else tiles,
+    launch(kernel, min(tiles, _config._sm_count(q.device.index)) if persistent else tiles,
            (q_desc, k_desc, v_desc, o_desc, lse, B * Hq, Hq, Hq // Hkv, N, M, float(scale) * LOG2E),
            dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), PINGPONG=bool(pingpong),
                 PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS))
     return o, lse
 
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(index).multi_processor_count
