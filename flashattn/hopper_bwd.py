@@ -405,8 +405,8 @@ def _build_dq_kernel():
         BLOCK_M: gl.constexpr = 2 * HALF
         dtype: gl.constexpr = q_desc.dtype
         # one tile per CTA: the program id numbers it
-        b, hq, hkv, bh, m0, n_total, n_full = _tile_coords(gl.program_id(0), N, M, HQ, GROUP, BLOCK_M, BLOCK_N,
-                                                           CAUSAL)
+        b, hq, hkv, bh, m0, n_total, n_full = _tile_coords(gl.program_id(0), gl.num_programs(0) // gl.cdiv(N, BLOCK_M),
+                                                           N, M, HQ, GROUP, 1, BLOCK_M, BLOCK_N, CAUSAL)
 
         half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)

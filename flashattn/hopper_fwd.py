@@ -62,22 +62,43 @@ def _config(head_dim: int):
     return 128, 2, False       # Q 32 KB + 2 * (32 + 32) KB = 160 KB
 
 
-def persistent_default(head_dim: int, causal: bool) -> bool:
-    """Whether :func:`forward` launches persistent CTAs (one per SM, each walking query blocks) by
-    default. Without a mask at D <= 128, where the next block's Q half loads into its own buffer
-    while a consumer finishes the last block, it measured 1-11% faster than one CTA per block on an
-    H200 (most at N = 1024). With the causal mask a CTA's blocks have unequal work and were slower
-    walked this way (0.71-1.01x, tuning log "A persistent forward"); at D = 256 O is staged in the Q
-    buffer, so the next Q waits for the store, and it measured within noise."""
-    return not causal and head_dim <= 128
+def schedule_default(head_dim: int, causal: bool) -> tuple[bool, bool]:
+    """How :func:`forward` walks the query blocks by default, as ``(persistent, dynamic)``.
+
+    Without a mask at D <= 128 the launch is persistent (one CTA per SM) with a static walk: the
+    next block's Q half loads into its own buffer while a consumer finishes the last block, 1-11%
+    faster than one CTA per block on an H200 (most at N = 1024); at D = 256 O is staged in the Q
+    buffer, so the next Q waits for the store, and it measured within noise (tuning log "A persistent
+    forward"). Under causal, blocks have unequal work: a static walk lost up to 29%, while a dynamic
+    walk, each CTA drawing its next block from a counter, longest blocks first within sections of
+    heads (:func:`section_default`), measured 1.03-1.17x one CTA per block up to N = 8192 at D = 128
+    and 256 (tuning log "A dynamic walk for the causal forward")."""
+    if causal:
+        return True, True
+    return head_dim <= 128, False
 
 
-def walk_work(batch_heads: int, n: int, m: int, ctas: int, causal: bool, block_n: int = 128) -> list[int]:
-    """The key blocks each of ``ctas`` persistent CTAs would walk, computed on the host: CTA p takes
-    the tiles p, p + ctas, ... in the kernel's order (``tile_coords``: the query blocks of one
-    (batch, head) after another, the longest first under causal), and a tile of ``BLOCK_M`` query rows
-    visits the key blocks :func:`flashattn.schedule.forward_key_range` gives it. For the Hopper page's
-    figure and its numbers (tested); the kernel itself computes the same in ``tile_coords``."""
+def section_default(batch_heads: int, n: int, ctas: int) -> int:
+    """Heads per section of a dynamic causal walk: about as many query blocks as CTAs, so the CTAs
+    start together on the longest blocks of a few heads, whose keys and values L2 then serves to
+    all of them (16 heads at N = 1024 on 132 SMs, one from N = 16384). One section of every head
+    (longest blocks of all heads first) measured 4-20% slower than this at N <= 4096, and sections
+    twice this size 0-4% slower."""
+    return max(1, min(batch_heads, ctas // -(-n // BLOCK_M)))
+
+
+def walk_work(batch_heads: int, n: int, m: int, ctas: int, causal: bool, block_n: int = 128,
+              dynamic: bool = False, section: int = 1) -> list[int]:
+    """The key blocks each of ``ctas`` persistent CTAs would walk, computed on the host, in the
+    kernel's tile order (``tile_coords``: query blocks of one (batch, head) after another; under
+    causal, sections of ``section`` heads, the longest block of each head of a section first). A
+    static walk gives CTA p the tiles p, p + ctas, ...; a dynamic one is modelled with every key block
+    taking the same time: the CTAs start on tiles 0..ctas-1 and each next tile goes to the CTA that
+    finishes first (the lowest-numbered one on a tie). A 128-row tile visits the key blocks
+    :func:`flashattn.schedule.forward_key_range` gives it. For the Hopper page's figure and its
+    numbers (tested)."""
+    import heapq
+
     from flashattn import schedule
 
     num_mb = -(-n // BLOCK_M)
@@ -85,10 +106,23 @@ def walk_work(batch_heads: int, n: int, m: int, ctas: int, causal: bool, block_n
     for mb in range(num_mb):
         _, hi = schedule.forward_key_range(mb * BLOCK_M, BLOCK_M, block_n, n, m, causal)
         blocks.append(-(-max(hi, 0) // block_n))
-    order = blocks[::-1] if causal else blocks  # tile t of a head is block num_mb - 1 - t under causal
+    order = []
+    if causal:
+        for first in range(0, batch_heads, section):
+            heads = min(section, batch_heads - first)
+            order += [blocks[mb] for mb in range(num_mb - 1, -1, -1) for _ in range(heads)]
+    else:
+        order = blocks * batch_heads
     work = [0] * ctas
-    for tile in range(batch_heads * num_mb):
-        work[tile % ctas] += order[tile % num_mb]
+    if not dynamic:
+        for tile, cost in enumerate(order):
+            work[tile % ctas] += cost
+        return work
+    free = [(0, p) for p in range(ctas)]   # (time the CTA frees up, CTA)
+    for cost in order:
+        t, p = heapq.heappop(free)
+        work[p] += cost
+        heapq.heappush(free, (t + cost, p))
     return work
 
 
@@ -157,12 +191,21 @@ def gluon_helpers():
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
     @gluon.jit
-    def tile_coords(tile, N, M, HQ, GROUP, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    def tile_coords(tile, BH, N, M, HQ, GROUP, SECTION, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    CAUSAL: gl.constexpr):
         num_mb = gl.cdiv(N, BLOCK_M)
-        bh = tile // num_mb
-        mb = tile % num_mb
         if CAUSAL:
-            mb = num_mb - 1 - mb
+            # Sections of SECTION heads, one after another; within a section the longest query block
+            # of each head first, then the next longest of each, ... (SECTION = 1: head by head).
+            span = SECTION * num_mb
+            first = (tile // span) * SECTION
+            heads = gl.minimum(BH - first, SECTION)
+            r = tile % span
+            bh = first + r % heads
+            mb = num_mb - 1 - r // heads
+        else:
+            bh = tile // num_mb
+            mb = tile % num_mb
         b = bh // HQ
         hq = bh % HQ
         hkv = hq // GROUP
@@ -222,26 +265,70 @@ def _build_kernel():
     _tile_coords, _masked_scores, _load_kv_ring = gluon_helpers()
 
     @gluon.jit
-    def _fa_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full, k_empty,
-                     v_empty, BH, HQ, GROUP, N, M,
-                     CAUSAL: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     STAGES: gl.constexpr):
-        # One warp: per tile, the Q halves (once the consumers are done with the last ones), then K
-        # and V tiles into the ring, whose fills carry on from tile to tile.
+    def _put_tile(tile_ids, t, tile):
+        # The producer tells the consumers which tile is its t-th: slot t % 2, read once that tile's
+        # Q halves have landed (the slot's last reader waited for Q of tile t - 2).
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        tile_ids.index(t % 2).store(gl.full([1], tile, gl.int32, one))
+
+    @gluon.jit
+    def _get_tile(tile_ids, q_bars, t, CONSUMER: gl.constexpr):
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        mbarrier.wait(q_bars.index(CONSUMER), t & 1)
+        return gl.max(tile_ids.index(t % 2).load(one), axis=0)
+
+    @gluon.jit
+    def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full, k_empty,
+                      v_empty, tile_ids, tile, t, kv, BH, HQ, GROUP, N, M, SECTION,
+                      CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        # The CTA's t-th tile: its Q halves (once the consumers are done with the last ones), then its
+        # K and V tiles into the ring. Returns the number of ring fills it took.
         QBYTES: gl.constexpr = HALF * HEAD_DIM * 2
+        b, hq, hkv, bh, m0, n_total, n_full = _tile_coords(tile, BH, N, M, HQ, GROUP, SECTION, 2 * HALF, BLOCK_N,
+                                                           CAUSAL)
+        for c in gl.static_range(2):
+            mbarrier.wait(q_empty.index(c), (t & 1) ^ 1)
+            if DYNAMIC and c == 0:
+                _put_tile(tile_ids, t, tile)
+            mbarrier.expect(q_bars.index(c), QBYTES)
+            tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + c * HALF, 0], q_bars.index(c),
+                                            q_smem.index(c).reshape([1, 1, HALF, HEAD_DIM]))
+        _load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, b, hkv, n_total, kv,
+                      BLOCK_N, HEAD_DIM, STAGES)
+        return n_total
+
+    @gluon.jit
+    def _fa_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full, k_empty,
+                     v_empty, tile_ids, counter_ptr, BH, HQ, GROUP, N, M, SECTION,
+                     CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        # One warp: the CTA's tiles, whose K/V ring fills carry on from tile to tile. A static walk
+        # takes tiles pid, pid + grid, ...; a dynamic one takes its first tile by program id and each
+        # next one from a counter shared by all CTAs, so a CTA that drew short tiles draws more.
+        tiles = BH * gl.cdiv(N, 2 * HALF)
         t = 0
         kv = 0
-        for tile in range(gl.program_id(0), BH * gl.cdiv(N, 2 * HALF), gl.num_programs(0)):
-            b, hq, hkv, bh, m0, n_total, n_full = _tile_coords(tile, N, M, HQ, GROUP, 2 * HALF, BLOCK_N, CAUSAL)
+        if DYNAMIC:
+            tile = gl.program_id(0)
+            while tile < tiles:
+                kv += _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full,
+                                    k_empty, v_empty, tile_ids, tile, t, kv, BH, HQ, GROUP, N, M, SECTION,
+                                    CAUSAL, DYNAMIC, HALF, BLOCK_N, HEAD_DIM, STAGES)
+                t += 1
+                tile = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1, sem="relaxed")
+            # No tile left: a tile number past the end wakes the consumers, which then stop.
             for c in gl.static_range(2):
                 mbarrier.wait(q_empty.index(c), (t & 1) ^ 1)
-                mbarrier.expect(q_bars.index(c), QBYTES)
-                tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + c * HALF, 0], q_bars.index(c),
-                                                q_smem.index(c).reshape([1, 1, HALF, HEAD_DIM]))
-            _load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, b, hkv, n_total, kv,
-                          BLOCK_N, HEAD_DIM, STAGES)
-            t += 1
-            kv += n_total
+                if c == 0:
+                    _put_tile(tile_ids, t, tile)
+                mbarrier.arrive(q_bars.index(c))
+        else:
+            for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+                kv += _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full,
+                                    k_empty, v_empty, tile_ids, tile, t, kv, BH, HQ, GROUP, N, M, SECTION,
+                                    CAUSAL, DYNAMIC, HALF, BLOCK_N, HEAD_DIM, STAGES)
+                t += 1
 
 
     @gluon.jit
@@ -390,29 +477,44 @@ def _build_kernel():
     # --8<-- [start:gluon-fwd-persistent]
     @gluon.jit
     def _fa_consumer(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
-                     o_desc, lse_ptr, BH, HQ, GROUP, N, M, qk_scale,
-                     CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr,
-                     HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                     tile_ids, o_desc, lse_ptr, BH, HQ, GROUP, N, M, SECTION, qk_scale,
+                     CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr,
+                     O_IN_Q: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     STAGES: gl.constexpr):
         # The CTA's tiles in the producer's order: pid, pid + grid, ... (one tile unless the launch is
-        # persistent, with fewer CTAs than tiles).
+        # persistent, with fewer CTAs than tiles), or with a dynamic walk the tiles the producer drew.
+        tiles = BH * gl.cdiv(N, 2 * HALF)
         t = 0
         kv = 0
-        for tile in range(gl.program_id(0), BH * gl.cdiv(N, 2 * HALF), gl.num_programs(0)):
-            b, hq, hkv, bh, m0, n_total, n_full = _tile_coords(tile, N, M, HQ, GROUP, 2 * HALF, BLOCK_N, CAUSAL)
-            _fa_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
-                     o_desc, lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, t, kv, qk_scale,
-                     CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)
-            t += 1
-            kv += n_total
+        if DYNAMIC:
+            tile = _get_tile(tile_ids, q_bars, t, CONSUMER)
+            while tile < tiles:
+                b, hq, hkv, bh, m0, n_total, n_full = _tile_coords(tile, BH, N, M, HQ, GROUP, SECTION, 2 * HALF,
+                                                                   BLOCK_N, CAUSAL)
+                _fa_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
+                         o_desc, lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, t, kv, qk_scale,
+                         CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)
+                t += 1
+                kv += n_total
+                tile = _get_tile(tile_ids, q_bars, t, CONSUMER)
+        else:
+            for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+                b, hq, hkv, bh, m0, n_total, n_full = _tile_coords(tile, BH, N, M, HQ, GROUP, SECTION, 2 * HALF,
+                                                                   BLOCK_N, CAUSAL)
+                _fa_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
+                         o_desc, lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, t, kv, qk_scale,
+                         CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)
+                t += 1
+                kv += n_total
         tma.store_wait(0)
     # --8<-- [end:gluon-fwd-persistent]
 
 
     @gluon.jit
-    def _fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
-                       BH, HQ, GROUP, N, M, qk_scale,
+    def _fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, counter_ptr,
+                       BH, HQ, GROUP, N, M, SECTION, qk_scale,
                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                       CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         HALF: gl.constexpr = 64
         dtype: gl.constexpr = q_desc.dtype
@@ -435,6 +537,7 @@ def _build_kernel():
         v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for c in gl.static_range(2):
             mbarrier.init(q_bars.index(c), count=1)
             mbarrier.init(q_empty.index(c), count=1)
@@ -448,13 +551,14 @@ def _build_kernel():
 
         gl.warp_specialize([
             (_fa_consumer, (q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
-                            turn_bars, o_desc, lse_ptr, BH, HQ, GROUP, N, M, qk_scale, 0, CAUSAL, PINGPONG,
-                            O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)),
+                            turn_bars, tile_ids, o_desc, lse_ptr, BH, HQ, GROUP, N, M, SECTION, qk_scale, 0, CAUSAL,
+                            DYNAMIC, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)),
             (_fa_consumer, (q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
-                            turn_bars, o_desc, lse_ptr, BH, HQ, GROUP, N, M, qk_scale, 1, CAUSAL, PINGPONG,
-                            O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)),
+                            turn_bars, tile_ids, o_desc, lse_ptr, BH, HQ, GROUP, N, M, SECTION, qk_scale, 1, CAUSAL,
+                            DYNAMIC, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)),
             (_fa_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full, k_empty,
-                            v_empty, BH, HQ, GROUP, N, M, CAUSAL, HALF, BLOCK_N, HEAD_DIM, STAGES)),
+                            v_empty, tile_ids, counter_ptr, BH, HQ, GROUP, N, M, SECTION, CAUSAL, DYNAMIC, HALF,
+                            BLOCK_N, HEAD_DIM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     return _fa_fwd_kernel
@@ -514,16 +618,21 @@ def launch(kernel, grid: int, args: tuple, constexprs: dict, warps: int = 4) -> 
 
 
 def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong: bool | None = None,
-            block_n: int | None = None, stages: int | None = None, out=None, persistent: bool | None = None):
+            block_n: int | None = None, stages: int | None = None, out=None, persistent: bool | None = None,
+            dynamic: bool | None = None, section: int | None = None):
     """FlashAttention forward on Hopper: returns (o, lse) with o like q and lse float32 (B, Hq, N).
 
-    ``scale`` defaults to 1/sqrt(D). ``pingpong``, ``block_n``, ``stages`` and ``persistent`` are
-    tuning knobs (defaults from :func:`_config`): ``persistent`` launches at most one CTA per SM,
-    each walking query blocks pid, pid + grid, ..., instead of one CTA per block. ``out``, when given, receives o: any (B, Hq, N, D) tensor of q's dtype whose
-    head dim is contiguous, such as one laid out like q."""
+    ``scale`` defaults to 1/sqrt(D). The rest are tuning knobs: ``pingpong``, ``block_n`` and
+    ``stages`` default to :func:`_config`'s, ``persistent`` and ``dynamic`` to
+    :func:`schedule_default`'s. ``persistent`` launches at most one CTA per SM instead of one per
+    query block; each CTA walks the blocks pid, pid + grid, ..., or with ``dynamic`` draws its next
+    block from a counter shared by all CTAs. Under causal the blocks go in sections of ``section``
+    heads, the longest block of each head first (default :func:`section_default` for a persistent
+    launch, 1 otherwise). ``out``, when given, receives o: any (B, Hq, N, D) tensor of q's dtype
+    whose head dim is contiguous, such as one laid out like q."""
     import torch
 
-    from flashattn import _config
+    from flashattn._config import _sm_count
     from flashattn._triton import ceil_div, describable
     from flashattn.constants import LOG2E
 
@@ -552,14 +661,26 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     block_n = block_n or cfg_n
     stages = stages or cfg_stages
     pingpong = cfg_pp if pingpong is None else pingpong
-    persistent = persistent_default(D, causal) if persistent is None else persistent
+    default_persistent, default_dynamic = schedule_default(D, causal)
+    persistent = (default_persistent and not pingpong) if persistent is None else persistent
+    dynamic = persistent and (default_dynamic if dynamic is None else dynamic)
     assert not (pingpong and persistent), "ping-pong counts its turns within one tile: one tile per CTA"
+    tiles = ceil_div(N, BLOCK_M) * B * Hq
+    ctas = min(tiles, _sm_count(q.device.index)) if persistent else tiles
+    if not causal:
+        section = 1  # the order of equal blocks does not matter: head by head shares K/V in L2
+    elif section is None:
+        section = section_default(B * Hq, N, ctas) if persistent else 1
+    section = max(1, min(section, B * Hq))
     q_desc, k_desc, v_desc, o_desc = (descriptor(q, HALF_M), descriptor(k, block_n), descriptor(v, block_n),
                                       descriptor(o, HALF_M))
-    tiles = ceil_div(N, BLOCK_M) * B * Hq
-    launch(kernel, min(tiles, _config._sm_count(q.device.index)) if persistent else tiles,
-           (q_desc, k_desc, v_desc, o_desc, lse, B * Hq, Hq, Hq // Hkv, N, M, float(scale) * LOG2E),
-           dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), PINGPONG=bool(pingpong),
-                PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS))
+    # A dynamic walk's tile counter, zeroed per call (a memset), so that calls on different streams,
+    # or replays of a captured graph, never share one.
+    counter = torch.zeros(1, device=q.device, dtype=torch.int32) if dynamic else lse
+    launch(kernel, ctas,
+           (q_desc, k_desc, v_desc, o_desc, lse, counter, B * Hq, Hq, Hq // Hkv, N, M, section,
+            float(scale) * LOG2E),
+           dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), DYNAMIC=dynamic,
+                PINGPONG=bool(pingpong), PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS))
     return o, lse
 

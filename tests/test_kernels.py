@@ -848,40 +848,92 @@ def test_hopper_forward_matches_float64(dtype, d, b, h_q, h_kv, n, m, causal, la
     assert_close_ratio("lse", lse, lse64, lse16.float())
 
 
+_WALKS = {  # hopper_fwd.forward's knobs for each way of walking the query blocks
+    "static": dict(persistent=True, dynamic=False),
+    "static, sections of 3": dict(persistent=True, dynamic=False, section=3),
+    "dynamic": dict(persistent=True, dynamic=True),
+    "dynamic, head by head": dict(persistent=True, dynamic=True, section=1),
+    "dynamic, one section": dict(persistent=True, dynamic=True, section=10**6),
+}
+
+
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("walk", list(_WALKS))
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("b, h_q, h_kv, n, m", [
     (8, 40, 8, 1000, 1000),  # 2560 query blocks, more than any GPU has SMs: every CTA walks many
     (3, 50, 10, 650, 1300),  # N < M, ragged last block
     (4, 36, 36, 1500, 700),  # N > M: under causal the first 800 rows of a head see no key
+    (1, 3, 1, 129, 64),      # fewer blocks than SMs; sections larger than B * H
 ])
-def test_hopper_forward_persistent_matches_float64_and_one_cta_per_block(d, causal, b, h_q, h_kv, n, m):
+def test_hopper_forward_persistent_matches_float64_and_one_cta_per_block(walk, d, causal, b, h_q, h_kv, n, m):
     """A persistent launch (CTAs walking query blocks, the K/V ring and the Q and O buffers carried
-    from block to block) gives the same bits as one CTA per block, and float64's answer, with either
-    mask and where blocks have unequal work."""
+    from block to block; statically or drawing blocks from a counter, in sections of heads) gives
+    the same bits as one CTA per block, and float64's answer, with either mask and where blocks have
+    unequal work; a dynamic walk twice in a row (its counter is zeroed per call) gives them again."""
     from flashattn import hopper_fwd
 
     q, k, v = random_qkv(b, h_q, h_kv, n, m, d, dtype=torch.bfloat16, device="cuda")
     if not hopper_fwd.supported(q, k, v, causal):
         pytest.skip("the Gluon forward runs on sm_90 with Triton 3.6 only")
-    o, lse = hopper_fwd.forward(q, k, v, causal, persistent=True)
     o1, lse1 = hopper_fwd.forward(q, k, v, causal, persistent=False)
-    assert torch.equal(o, o1) and torch.equal(lse, lse1)
+    for _ in range(2 if _WALKS[walk]["dynamic"] else 1):
+        o, lse = hopper_fwd.forward(q, k, v, causal, **_WALKS[walk])
+        assert torch.equal(o, o1) and torch.equal(lse, lse1)
     o64, lse64 = naive_attention(q.double(), k.double(), v.double(), causal=causal)
     o16, lse16 = naive_attention(q, k, v, causal=causal)
     assert_close_ratio("o", o, o64, o16)
     assert_close_ratio("lse", lse, lse64, lse16.float())
 
 
-@pytest.mark.parametrize("batch_heads, n, m, ctas", [(16, 16384, 16384, 132), (3, 1000, 1300, 5), (4, 700, 300, 7)])
+@gpu
+@needs_cuda
+def test_hopper_forward_dynamic_walks_on_two_streams_at_once_keep_their_own_counters():
+    """Two causal forwards with a dynamic walk running at the same time on two streams (each call
+    zeroes a counter of its own) give the bits of one CTA per block."""
+    from flashattn import hopper_fwd
+
+    inputs = [random_qkv(4, 32, 8, 2048, 2048, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    if not hopper_fwd.supported(*inputs[0], True):
+        pytest.skip("the Gluon forward runs on sm_90 with Triton 3.6 only")
+    expected = [hopper_fwd.forward(*x, True, persistent=False) for x in inputs]
+    streams = [torch.cuda.Stream() for _ in inputs]
+    torch.cuda.synchronize()
+    for _ in range(3):
+        outs = []
+        for stream, x in zip(streams, inputs):
+            with torch.cuda.stream(stream):
+                outs.append(hopper_fwd.forward(*x, True, persistent=True, dynamic=True))
+        torch.cuda.synchronize()
+        for (o, lse), (o1, lse1) in zip(outs, expected):
+            assert torch.equal(o, o1) and torch.equal(lse, lse1)
+
+
+def _walk_order(batch_heads, num_mb, causal, section):
+    """(head, query block) of each tile in the kernel's order, from its description: under causal,
+    sections of ``section`` heads one after another, and within one the blocks by length (longest
+    first), the heads in order among blocks of one length; else head by head, blocks in order."""
+    tiles = [(h, mb) for h in range(batch_heads) for mb in range(num_mb)]
+    if causal:
+        tiles.sort(key=lambda t: (t[0] // section, -t[1], t[0]))
+    return tiles
+
+
+@pytest.mark.parametrize("batch_heads, n, m, ctas, section", [
+    (16, 16384, 16384, 132, 1), (3, 1000, 1300, 5, 1), (4, 700, 300, 7, 1),
+    (256, 1024, 1024, 132, 16), (7, 1000, 900, 11, 3), (5, 640, 640, 3, 8)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_persistent_walk_work_counts_the_key_blocks_each_cta_visits(batch_heads, n, m, ctas, causal):
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_persistent_walk_work_counts_the_key_blocks_each_cta_visits(batch_heads, n, m, ctas, section, causal,
+                                                                     dynamic):
     """hopper_fwd.walk_work (the Hopper page's figure and numbers) against a count from the definition:
     a 128-row query block visits every key block up to the last one holding a key that one of its
-    rows sees (bottom-right causal alignment), and CTA p takes tiles p, p + ctas, ... in the kernel's
-    order, the longest block of a head first under causal."""
+    rows sees (bottom-right causal alignment); the tiles come in the kernel's order (longest block
+    first within sections of heads under causal); a static walk gives CTA p tiles p, p + ctas, ...,
+    a dynamic one each tile to the CTA that is free first (lowest number on a tie) when every key
+    block takes one unit of time."""
     from flashattn import hopper_fwd
     from flashattn.schedule import is_visible
 
@@ -894,24 +946,64 @@ def test_persistent_walk_work_counts_the_key_blocks_each_cta_visits(batch_heads,
 
     per_block = {mb: blocks(mb) for mb in range(num_mb)} if n * m <= 2_000_000 else {
         mb: min(num_nb, -(-(mb * 128 + 128 + m - n) // 128)) if causal else num_nb for mb in range(num_mb)}
-    expected = [0] * ctas
-    for tile in range(batch_heads * num_mb):
-        mb = tile % num_mb
-        expected[tile % ctas] += per_block[num_mb - 1 - mb if causal else mb]
-    assert hopper_fwd.walk_work(batch_heads, n, m, ctas, causal) == expected
-    if (batch_heads, n, causal) == (16, 16384, True):  # the numbers the Hopper page quotes
+    expected, busy_until = [0] * ctas, [0] * ctas
+    for tile, (_, mb) in enumerate(_walk_order(batch_heads, num_mb, causal, section)):
+        p = min(range(ctas), key=lambda c: (busy_until[c], c)) if dynamic else tile % ctas
+        expected[p] += per_block[mb]
+        busy_until[p] += per_block[mb]
+    assert hopper_fwd.walk_work(batch_heads, n, m, ctas, causal, dynamic=dynamic, section=section) == expected
+    if (batch_heads, n, causal, dynamic) == (16, 16384, True, False):  # the numbers the Hopper page quotes
         work = expected
         assert (work[0], work[64], max(work)) == (1568, 544, 1568)
         assert round(max(work) / (sum(work) / ctas), 2) == 1.57
+    if (batch_heads, n, causal, dynamic) == (256, 1024, True, True):
+        assert round(max(expected) / (sum(expected) / ctas), 2) == 1.02
 
 
-def test_hopper_forward_is_persistent_only_where_it_measured_faster():
-    """The default launch: persistent without a mask at D <= 128, one CTA per query block otherwise."""
+def test_hopper_forward_walks_persistently_where_it_measured_faster():
+    """The default walk: persistent and static without a mask at D <= 128, one CTA per query block
+    without a mask at D = 256, persistent and dynamic under causal; sections of about one query
+    block per CTA."""
     from flashattn import hopper_fwd
 
-    assert hopper_fwd.persistent_default(64, False) and hopper_fwd.persistent_default(128, False)
-    assert not hopper_fwd.persistent_default(256, False)
-    assert not any(hopper_fwd.persistent_default(d, True) for d in (64, 128, 256))
+    assert hopper_fwd.schedule_default(64, False) == hopper_fwd.schedule_default(128, False) == (True, False)
+    assert hopper_fwd.schedule_default(256, False) == (False, False)
+    assert all(hopper_fwd.schedule_default(d, True) == (True, True) for d in (64, 128, 256))
+    assert [hopper_fwd.section_default(256, n, 132) for n in (1024, 2048, 4096, 8192, 16384, 65536)] == [
+        16, 8, 4, 2, 1, 1]
+    assert hopper_fwd.section_default(3, 1024, 132) == 3 and hopper_fwd.section_default(64, 1000, 132) == 16
+
+
+@pytest.mark.parametrize("d, causal, kw, grid, dynamic, section", [
+    (128, True, {}, 132, True, 16),                      # 8 blocks per head, 256 heads: sections of 16
+    (128, False, {}, 132, False, 1),
+    (256, False, {}, 2048, False, 1),                   # one CTA per block
+    (256, True, dict(section=5), 132, True, 5),
+    (128, True, dict(persistent=False), 2048, False, 1),
+    (128, True, dict(pingpong=True), 2048, False, 1),   # ping-pong: one tile per CTA
+])
+def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d, causal, kw, grid, dynamic,
+                                                                 section):
+    """hopper_fwd.forward's host code up to the launch, on the CPU (the kernel, the descriptors and
+    the SM count stubbed): the grid, the walk's constexpr, the section and a zeroed counter of its
+    own for a dynamic walk."""
+    from flashattn import _config, hopper_fwd
+
+    launches = []
+    monkeypatch.setattr(hopper_fwd, "_get_kernel", lambda: "kernel")
+    monkeypatch.setattr(hopper_fwd, "descriptor", lambda t, rows: ("desc", rows))
+    monkeypatch.setattr(hopper_fwd, "launch", lambda *a, **k: launches.append(a))
+    monkeypatch.setattr(_config, "_sm_count", lambda index: 132)
+    q, k, v = (torch.randn(32, 8, 1024, d, dtype=torch.bfloat16) for _ in range(3))
+    o, lse = hopper_fwd.forward(q, k, v, causal, **kw)
+    assert o.shape == q.shape and lse.shape == (32, 8, 1024)
+    [(kernel, launched_grid, args, constexprs)] = launches
+    assert kernel == "kernel" and launched_grid == grid
+    assert constexprs["DYNAMIC"] == dynamic and constexprs["CAUSAL"] == causal
+    counter, bh, sect = args[5], args[6], args[11]
+    assert bh == 256 and sect == section
+    if dynamic:
+        assert counter.dtype == torch.int32 and counter.tolist() == [0] and counter is not lse
 
 
 # (B, Hq, Hkv, N, M, causal, layout, logit scale) of the Gluon kernels' float64 checks
@@ -997,10 +1089,12 @@ def test_gluon_kernels_at_the_default_bar_match_float64_and_repeat_bitwise(causa
     with torch.cuda.graph(graph):
         og, lseg = attention_forward(q, k, v, problem)
         grads = attention_backward(do, q, k, v, og, lseg, problem)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(og, o) and torch.equal(lseg, lse)
-    assert all(torch.equal(a, b) for a, b in zip(grads, first))
+    for _ in range(2):  # a replay zeroes the causal forward's tile counter again (a captured memset)
+        og.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(og, o) and torch.equal(lseg, lse)
+        assert all(torch.equal(a, b) for a, b in zip(grads, first))
     from flashattn import _triton
 
     assert _triton._FAST_LAUNCH[0] and _triton._DIRECT[0]  # a Gluon launch never turned them off
