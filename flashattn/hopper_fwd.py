@@ -15,6 +15,11 @@ persistent launch the blocks pid, pid + grid, ... of a grid of at most one CTA p
   its last S product of the current block (an "empty" mbarrier per half); O leaves through a
   buffer of its own (D <= 128) by TMA, so the next Q may land while O is stored. At D = 256 there
   is no room for that buffer: O is staged in the dead Q half, which is released after the store.
+* a persistent walk is static (blocks pid, pid + grid, ...) or dynamic (``DYNAMIC``, the default
+  under causal): the producer draws the CTA's next block from a counter all CTAs add to (an int32
+  zeroed per call) and hands its number to the consumers in shared memory, written before the
+  mbarrier arrive that the Q half's TMA completes. Under causal the blocks are numbered in
+  sections of ``SECTION`` heads, the longest block of each head of a section first.
   The kernel runs with ``maxnreg=168`` so that the register allocator gives each consumer
   warpgroup 240 registers per thread (12 warps * 168 = 4 * 240 + 4 * 240 + 4 * 24).
 * K and V of a slot have separate "full" mbarriers (expect-tx, completed by TMA) and separate
@@ -71,8 +76,10 @@ def schedule_default(head_dim: int, causal: bool) -> tuple[bool, bool]:
     buffer, so the next Q waits for the store, and it measured within noise (tuning log "A persistent
     forward"). Under causal, blocks have unequal work: a static walk lost up to 29%, while a dynamic
     walk, each CTA drawing its next block from a counter, longest blocks first within sections of
-    heads (:func:`section_default`), measured 1.03-1.17x one CTA per block up to N = 8192 at D = 128
-    and 256 (tuning log "A dynamic walk for the causal forward")."""
+    heads (:func:`section_default`), measured 1.04-1.17x one CTA per block up to N = 8192 at D = 128
+    and 256, and within 1.5% of it at N = 16384 (tuning log "A dynamic walk for the causal
+    forward"). At D = 64, where the public API runs the portable forward, sections twice the default
+    size measured 0.99-1.25x."""
     if causal:
         return True, True
     return head_dim <= 128, False
@@ -81,9 +88,9 @@ def schedule_default(head_dim: int, causal: bool) -> tuple[bool, bool]:
 def section_default(batch_heads: int, n: int, ctas: int) -> int:
     """Heads per section of a dynamic causal walk: about as many query blocks as CTAs, so the CTAs
     start together on the longest blocks of a few heads, whose keys and values L2 then serves to
-    all of them (16 heads at N = 1024 on 132 SMs, one from N = 16384). One section of every head
-    (longest blocks of all heads first) measured 4-20% slower than this at N <= 4096, and sections
-    twice this size 0-4% slower."""
+    all of them (16 heads at N = 1024 on 132 SMs, one from N = 16384). On an H200 one section of
+    every head (the longest blocks of all heads first) measured 3-22% slower than this, sections
+    twice this size 8% slower to 4% faster, half this size (D = 256) up to 5% slower."""
     return max(1, min(batch_heads, ctas // -(-n // BLOCK_M)))
 
 
@@ -174,11 +181,13 @@ def gluon_helpers():
     """Gluon functions shared by the kernels laid out per query block (this forward and
     :func:`flashattn.hopper_bwd.dq`), as ``(tile_coords, masked_scores, load_kv_ring)``:
 
-    * ``tile_coords(tile, N, M, HQ, GROUP, BLOCK_M, BLOCK_N, CAUSAL) -> (b, hq, hkv, bh, m0, n_total,
-      n_full)`` places a tile: tiles enumerate (query block, batch * head), query block fastest, so
-      CTAs that run together share K/V in L2, and under causal the longest query blocks go first. It
-      returns the batch, query head, K/V head, batch * Hq + head, the block's first row, the key
-      blocks it visits and how many of the first of them need no mask;
+    * ``tile_coords(tile, BH, N, M, HQ, GROUP, SECTION, BLOCK_M, BLOCK_N, CAUSAL) -> (b, hq, hkv, bh,
+      m0, n_total, n_full)`` places a tile: without a mask tiles enumerate (query block, batch *
+      head), query block fastest, so CTAs that run together share K/V in L2; under causal they come
+      in sections of SECTION heads (1: head by head), within a section the longest block of each
+      head first, then the next longest of each. It returns the batch, query head, K/V head, batch
+      * Hq + head, the block's first row, the key blocks it visits and how many of the first of them
+      need no mask;
     * ``masked_scores(s, n0, row0, M, q_off, CAUSAL, HALF, BLOCK_N, s_layout)`` sets to -inf the scores
       of a [HALF, BLOCK_N] tile (rows from ``row0``, keys from ``n0``) whose key lies past M or, under
       causal, after the row's last visible key (query i sees key j iff j <= i + q_off, q_off = M - N);
@@ -298,6 +307,7 @@ def _build_kernel():
                       BLOCK_N, HEAD_DIM, STAGES)
         return n_total
 
+    # --8<-- [start:gluon-fwd-dynamic]
     @gluon.jit
     def _fa_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full, k_empty,
                      v_empty, tile_ids, counter_ptr, BH, HQ, GROUP, N, M, SECTION,
@@ -329,6 +339,7 @@ def _build_kernel():
                                     k_empty, v_empty, tile_ids, tile, t, kv, BH, HQ, GROUP, N, M, SECTION,
                                     CAUSAL, DYNAMIC, HALF, BLOCK_N, HEAD_DIM, STAGES)
                 t += 1
+    # --8<-- [end:gluon-fwd-dynamic]
 
 
     @gluon.jit

@@ -522,25 +522,29 @@ def warpgroup_timeline() -> str:
 
 def persistent_walk() -> str:
     """Key blocks per CTA when 132 persistent CTAs walk the forward's query blocks in the kernel's
-    order (flashattn.hopper_fwd.walk_work), without a mask and with the causal one."""
-    from flashattn.hopper_fwd import walk_work
+    order (flashattn.hopper_fwd.walk_work): statically without a mask and with the causal one, and
+    dynamically with the causal one (the default there), every key block taking the same time."""
+    from flashattn.hopper_fwd import section_default, walk_work
 
     heads, n, ctas = 16, 16384, 132
-    fig, axes = plt.subplots(1, 2, figsize=(12, 3.2), sharey=True)
-    for ax, causal in zip(axes, (False, True)):
-        work = walk_work(heads, n, n, ctas, causal)
+    section = section_default(heads, n, ctas)
+    panels = ((False, False, "no mask, static"), (True, False, "causal, static"),
+              (True, True, f"causal, dynamic (sections of {section} head{'s' if section > 1 else ''})"))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.2), sharey=True)
+    for ax, (causal, dynamic, label) in zip(axes, panels):
+        work = walk_work(heads, n, n, ctas, causal, dynamic=dynamic, section=section)
         mean = sum(work) / len(work)
         ax.bar(range(ctas), work, width=1.0, color=COLORS[schedule.MASKED if causal else schedule.FULL])
         ax.axhline(mean, color="black", linewidth=1, linestyle="--")
         ax.text(ctas - 1, mean, f"mean {mean:.0f}", ha="right", va="bottom", fontsize=8)
-        ax.set_title(f"{'causal' if causal else 'no mask'}: busiest CTA {max(work)} key blocks, "
-                     f"{max(work) / mean:.2f} x the mean", fontsize=10)
+        ax.set_title(f"{label}: busiest CTA {max(work)},\n{max(work) / mean:.2f} x the mean", fontsize=10)
         ax.set_xlabel("CTA (one per SM)")
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
     axes[0].set_ylabel("key blocks walked")
-    fig.suptitle(f"Persistent walk of the forward's query blocks: B x H = {heads}, N = M = {n}, "
-                 f"128 x 128 tiles, {ctas} CTAs taking blocks p, p + {ctas}, ...", fontsize=10)
+    fig.suptitle(f"Persistent walks of the forward's query blocks: B x H = {heads}, N = M = {n}, "
+                 f"128 x 128 tiles, {ctas} CTAs; static: blocks p, p + {ctas}, ...; dynamic: the next block "
+                 f"to the CTA free first", fontsize=10)
     fig.tight_layout()
     return _svg(fig)
 
