@@ -485,6 +485,20 @@ def _build_kernel():
             tma.async_copy_shared_to_global(o_desc, [b, hq, row0, 0], o_buf.reshape([1, 1, HALF, HEAD_DIM]))
 
 
+    @gluon.jit
+    def _consume_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
+                      o_desc, lse_ptr, tile, t, kv, BH, HQ, GROUP, N, M, SECTION, qk_scale,
+                      CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr,
+                      HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        # The CTA's t-th tile, number `tile`; returns the ring fills it took.
+        b, hq, hkv, bh, m0, n_total, n_full = _tile_coords(tile, BH, N, M, HQ, GROUP, SECTION, 2 * HALF, BLOCK_N,
+                                                           CAUSAL)
+        _fa_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
+                 o_desc, lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, t, kv, qk_scale,
+                 CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)
+        return n_total
+
+
     # --8<-- [start:gluon-fwd-persistent]
     @gluon.jit
     def _fa_consumer(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
@@ -500,23 +514,17 @@ def _build_kernel():
         if DYNAMIC:
             tile = _get_tile(tile_ids, q_bars, t, CONSUMER)
             while tile < tiles:
-                b, hq, hkv, bh, m0, n_total, n_full = _tile_coords(tile, BH, N, M, HQ, GROUP, SECTION, 2 * HALF,
-                                                                   BLOCK_N, CAUSAL)
-                _fa_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
-                         o_desc, lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, t, kv, qk_scale,
-                         CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)
+                kv += _consume_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
+                                    turn_bars, o_desc, lse_ptr, tile, t, kv, BH, HQ, GROUP, N, M, SECTION, qk_scale,
+                                    CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)
                 t += 1
-                kv += n_total
                 tile = _get_tile(tile_ids, q_bars, t, CONSUMER)
         else:
             for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-                b, hq, hkv, bh, m0, n_total, n_full = _tile_coords(tile, BH, N, M, HQ, GROUP, SECTION, 2 * HALF,
-                                                                   BLOCK_N, CAUSAL)
-                _fa_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
-                         o_desc, lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, t, kv, qk_scale,
-                         CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)
+                kv += _consume_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
+                                    turn_bars, o_desc, lse_ptr, tile, t, kv, BH, HQ, GROUP, N, M, SECTION, qk_scale,
+                                    CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)
                 t += 1
-                kv += n_total
         tma.store_wait(0)
     # --8<-- [end:gluon-fwd-persistent]
 
