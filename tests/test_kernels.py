@@ -1006,6 +1006,39 @@ def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d,
         assert counter.dtype == torch.int32 and counter.tolist() == [0] and counter is not lse
 
 
+@pytest.mark.parametrize("which", ["dkdv", "dq"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_backward_host_code_launches_one_cta_per_block(monkeypatch, which, causal):
+    """hopper_bwd.dkdv's and hopper_bwd.dq's host code up to the launch, on the CPU (the kernels and
+    the descriptors stubbed): one CTA per block of keys (dK/dV) or of 128 query rows (dQ), the scale
+    in base 2 and as given, the outputs described for TMA."""
+    from flashattn import hopper_bwd, hopper_fwd
+    from flashattn.constants import LOG2E
+
+    launches = []
+    for name in ("_get_kernel", "_get_dq_kernel"):
+        monkeypatch.setattr(hopper_bwd, name, lambda: "kernel")
+    monkeypatch.setattr(hopper_fwd, "descriptor", lambda t, rows: ("desc", t.data_ptr(), rows))
+    monkeypatch.setattr(hopper_fwd, "launch", lambda *a, **k: launches.append(a))
+    b, hq, hkv, n, m, d = 2, 8, 2, 1000, 700, 128
+    q, do = (torch.randn(b, hq, n, d, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, hkv, m, d, dtype=torch.bfloat16) for _ in range(2))
+    lse2, delta = (torch.zeros(b, hq, n) for _ in range(2))
+    if which == "dkdv":
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        hopper_bwd.dkdv(q, k, v, do, lse2, delta, dk, dv, causal, 0.125)
+        outputs, grid = (dk, dv), -(-m // hopper_bwd.BLOCK_N) * b * hkv
+    else:
+        dq = torch.empty_like(q)
+        hopper_bwd.dq(q, k, v, do, lse2, delta, dq, causal, 0.125)
+        outputs, grid = (dq,), -(-n // 128) * b * hq
+    [(kernel, launched_grid, args, constexprs)] = launches
+    assert kernel == "kernel" and launched_grid == grid and constexprs["CAUSAL"] == causal
+    described = {a[1] for a in args if isinstance(a, tuple) and a[0] == "desc"}
+    assert {x.data_ptr() for x in (q, k, v, do, *outputs)} <= described
+    assert args[-2:] == (0.125 * LOG2E, 0.125) and all(any(a is x for a in args) for x in (lse2, delta))
+
+
 # (B, Hq, Hkv, N, M, causal, layout, logit scale) of the Gluon kernels' float64 checks
 _GLUON_CASES = [
     (2, 4, 4, 1000, 1000, False, "bhnd", 1.0),
