@@ -465,9 +465,10 @@ def dq(q, k, v, do, lse2, delta, dq_out, causal: bool, scale: float, block_n: in
     assert D in HEAD_DIMS and scale > 0
     block_n = block_n or DQ_BLOCK_N
     describe = hopper_fwd.descriptor
-    hopper_fwd.launch(kernel, ceil_div(N, 2 * HALF_N) * B * Hq,
-                      (describe(q, HALF_N), describe(k, block_n), describe(v, block_n), describe(do, HALF_N),
-                       describe(dq_out, HALF_N), lse2, delta, Hq, Hq // Hkv, N, M, float(scale) * LOG2E,
-                       float(scale)),
+    # laid out per query block like the forward: 128 rows per CTA, 64 per consumer warpgroup
+    hopper_fwd.launch(kernel, ceil_div(N, hopper_fwd.BLOCK_M) * B * Hq,
+                      (describe(q, hopper_fwd.HALF_M), describe(k, block_n), describe(v, block_n),
+                       describe(do, hopper_fwd.HALF_M), describe(dq_out, hopper_fwd.HALF_M), lse2, delta,
+                       Hq, Hq // Hkv, N, M, float(scale) * LOG2E, float(scale)),
                       dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages or DQ_STAGES, CAUSAL=bool(causal),
                            PRODUCER_REGS=hopper_fwd.PRODUCER_REGS, CONSUMER_REGS=hopper_fwd.CONSUMER_REGS))

@@ -74,7 +74,7 @@ def schedule_default(head_dim: int, causal: bool) -> tuple[bool, bool]:
     next block's Q half loads into its own buffer while a consumer finishes the last block, 1-11%
     faster than one CTA per block on an H200 (most at N = 1024); at D = 256 O is staged in the Q
     buffer, so the next Q waits for the store, and it measured within noise (tuning log "A persistent
-    forward"). Under causal, blocks have unequal work: a static walk lost up to 29%, while a dynamic
+    forward"). Under causal, blocks have unequal work: a static walk lost up to 36%, while a dynamic
     walk, each CTA drawing its next block from a counter, longest blocks first within sections of
     heads (:func:`section_default`), measured 1.04-1.17x one CTA per block up to N = 8192 at D = 128
     and 256, and within 1.5% of it at N = 16384 (tuning log "A dynamic walk for the causal
