@@ -85,6 +85,16 @@ def schedule_default(head_dim: int, causal: bool) -> tuple[bool, bool]:
     return head_dim <= 128, False
 
 
+def q_buffers_default(head_dim: int, causal: bool) -> int:
+    """Q buffers of a persistent CTA. Two fit up to D = 128 (at D = 128: 2 * 32 KB of Q, 32 KB of O
+    staging and the 128 KB K/V ring, 224 KB of the 227), one at D = 256, where O is staged in the Q
+    buffer. Measured on an H200 (bfloat16, B * N = 16k tokens): without a mask two buffers were
+    1.4-3.0% faster at D = 128 and 0.6-2.2% at D = 64 (N = 1024..16384); under causal, where the
+    dynamic walk's producer then draws each next tile a tile earlier, -2.9% to +2.8% (tuning log
+    "Two Q buffers"), so causal walks keep one."""
+    return 2 if head_dim <= 128 and not causal else 1
+
+
 def section_default(batch_heads: int, n: int, ctas: int) -> int:
     """Heads per section of a dynamic causal walk: about as many query blocks as CTAs, so the CTAs
     start together on the longest blocks of a few heads, whose keys and values L2 then serves to
@@ -276,33 +286,49 @@ def _build_kernel():
     @gluon.jit
     def _put_tile(tile_ids, t, tile):
         # The producer tells the consumers which tile is its t-th: slot t % 2, read once that tile's
-        # Q halves have landed (the slot's last reader waited for Q of tile t - 2).
+        # Q halves have landed. The slot's last readers read it for tile t - 2 before releasing that
+        # tile's Q buffer, which the producer waited for (two buffers), or for tile t - 1's (one).
         one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         tile_ids.index(t % 2).store(gl.full([1], tile, gl.int32, one))
 
     @gluon.jit
-    def _get_tile(tile_ids, q_bars, t, CONSUMER: gl.constexpr):
+    def _get_tile(tile_ids, q_bars, t, CONSUMER: gl.constexpr, QBUFS: gl.constexpr):
         one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        mbarrier.wait(q_bars.index(CONSUMER), t & 1)
+        mbarrier.wait(q_bars.index((t % QBUFS) * 2 + CONSUMER), (t // QBUFS) & 1)
         return gl.max(tile_ids.index(t % 2).load(one), axis=0)
 
     @gluon.jit
     def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full, k_empty,
                       v_empty, tile_ids, tile, t, kv, BH, HQ, GROUP, N, M, SECTION,
                       CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
-                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-        # The CTA's t-th tile: its Q halves (once the consumers are done with the last ones), then its
-        # K and V tiles into the ring. Returns the number of ring fills it took.
+                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, QBUFS: gl.constexpr):
+        # The CTA's t-th tile: its Q halves into Q buffer t % QBUFS (once the consumers are done
+        # with the tile that used it last), then its K and V tiles into the ring. Returns the number
+        # of ring fills it took.
         QBYTES: gl.constexpr = HALF * HEAD_DIM * 2
         b, hq, hkv, bh, m0, n_total, n_full = _tile_coords(tile, BH, N, M, HQ, GROUP, SECTION, 2 * HALF, BLOCK_N,
                                                            CAUSAL)
-        for c in gl.static_range(2):
-            mbarrier.wait(q_empty.index(c), (t & 1) ^ 1)
-            if DYNAMIC and c == 0:
+        base = (t % QBUFS) * 2
+        empty_phase = ((t // QBUFS) & 1) ^ 1
+        if QBUFS == 1:
+            for c in gl.static_range(2):
+                mbarrier.wait(q_empty.index(c), empty_phase)
+                if DYNAMIC and c == 0:
+                    _put_tile(tile_ids, t, tile)
+                mbarrier.expect(q_bars.index(c), QBYTES)
+                tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + c * HALF, 0], q_bars.index(c),
+                                                q_smem.index(c).reshape([1, 1, HALF, HEAD_DIM]))
+        else:
+            # Both consumers have released the buffer, so both have read the tile number in the
+            # slot this overwrites.
+            for c in gl.static_range(2):
+                mbarrier.wait(q_empty.index(base + c), empty_phase)
+            if DYNAMIC:
                 _put_tile(tile_ids, t, tile)
-            mbarrier.expect(q_bars.index(c), QBYTES)
-            tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + c * HALF, 0], q_bars.index(c),
-                                            q_smem.index(c).reshape([1, 1, HALF, HEAD_DIM]))
+            for c in gl.static_range(2):
+                mbarrier.expect(q_bars.index(base + c), QBYTES)
+                tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + c * HALF, 0], q_bars.index(base + c),
+                                                q_smem.index(base + c).reshape([1, 1, HALF, HEAD_DIM]))
         _load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, b, hkv, n_total, kv,
                       BLOCK_N, HEAD_DIM, STAGES)
         return n_total
@@ -312,7 +338,7 @@ def _build_kernel():
     def _fa_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full, k_empty,
                      v_empty, tile_ids, counter_ptr, BH, HQ, GROUP, N, M, SECTION,
                      CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, QBUFS: gl.constexpr):
         # One warp: the CTA's tiles, whose K/V ring fills carry on from tile to tile. A static walk
         # takes tiles pid, pid + grid, ...; a dynamic one takes its first tile by program id and each
         # next one from a counter shared by all CTAs, so a CTA that drew short tiles draws more.
@@ -324,20 +350,21 @@ def _build_kernel():
             while tile < tiles:
                 kv += _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full,
                                     k_empty, v_empty, tile_ids, tile, t, kv, BH, HQ, GROUP, N, M, SECTION,
-                                    CAUSAL, DYNAMIC, HALF, BLOCK_N, HEAD_DIM, STAGES)
+                                    CAUSAL, DYNAMIC, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS)
                 t += 1
                 tile = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1, sem="relaxed")
             # No tile left: a tile number past the end wakes the consumers, which then stop.
+            base = (t % QBUFS) * 2
             for c in gl.static_range(2):
-                mbarrier.wait(q_empty.index(c), (t & 1) ^ 1)
-                if c == 0:
-                    _put_tile(tile_ids, t, tile)
-                mbarrier.arrive(q_bars.index(c))
+                mbarrier.wait(q_empty.index(base + c), ((t // QBUFS) & 1) ^ 1)
+            _put_tile(tile_ids, t, tile)
+            for c in gl.static_range(2):
+                mbarrier.arrive(q_bars.index(base + c))
         else:
             for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
                 kv += _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full,
                                     k_empty, v_empty, tile_ids, tile, t, kv, BH, HQ, GROUP, N, M, SECTION,
-                                    CAUSAL, DYNAMIC, HALF, BLOCK_N, HEAD_DIM, STAGES)
+                                    CAUSAL, DYNAMIC, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS)
                 t += 1
     # --8<-- [end:gluon-fwd-dynamic]
 
@@ -398,9 +425,11 @@ def _build_kernel():
     def _fa_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
                  o_desc, lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, t, kv, qk_scale,
                  CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr,
-                 HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                 HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                 QBUFS: gl.constexpr):
         # One warpgroup, one tile: query rows [m0 + CONSUMER * HALF, + HALF) of the CTA's tile number
-        # t, whose key blocks are the ring's fills kv, kv + 1, ...
+        # t, whose key blocks are the ring's fills kv, kv + 1, ..., and whose Q half is in Q buffer
+        # t % QBUFS.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -414,8 +443,9 @@ def _build_kernel():
         turn_mine = turn_bars.index(CONSUMER)
         turn_other = turn_bars.index(1 - CONSUMER)
 
-        q = q_smem.index(CONSUMER)
-        mbarrier.wait(q_bars.index(CONSUMER), t & 1)
+        qi = (t % QBUFS) * 2 + CONSUMER
+        q = q_smem.index(qi)
+        mbarrier.wait(q_bars.index(qi), (t // QBUFS) & 1)
 
         m_i = gl.full([HALF], -1.0e30, gl.float32, row_s)
         l_i = gl.full([HALF], 0.0, gl.float32, row_s)
@@ -447,7 +477,7 @@ def _build_kernel():
             if not O_IN_Q:
                 # Every S product of this tile has completed: the producer may load the next tile's
                 # Q half while this consumer finishes the tile.
-                mbarrier.arrive(q_empty.index(CONSUMER))
+                mbarrier.arrive(q_empty.index(qi))
             # Epilogue: the last P V.
             j = kv + n_total - 1
             v_idx = j % STAGES
@@ -460,11 +490,12 @@ def _build_kernel():
             acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
             mbarrier.arrive(v_empty.index(v_idx))
         elif not O_IN_Q:
-            mbarrier.arrive(q_empty.index(CONSUMER))  # no key: Q was never read
+            mbarrier.arrive(q_empty.index(qi))  # no key: Q was never read
 
-        # o = acc / l (0 where the row saw nothing: then acc is 0 too); lse = ln2 * (m + log2 l).
+        # o = acc / l (0 where the row saw nothing: then acc is 0 too), one reciprocal per row;
+        # lse = ln2 * (m + log2 l).
         l_o = gl.convert_layout(l_i, row_o)
-        o = acc / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1)
+        o = acc * gl.expand_dims(1.0 / gl.where(l_o == 0.0, 1.0, l_o), 1)
         lse = gl.where(l_i == 0.0, -float("inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
         rows = row0 + gl.arange(0, HALF, layout=row_s)
         gl.store(lse_ptr + bh.to(gl.int64) * N + rows, lse, mask=rows < N)
@@ -476,7 +507,7 @@ def _build_kernel():
             fence_async_shared()
             tma.async_copy_shared_to_global(o_desc, [b, hq, row0, 0], q.reshape([1, 1, HALF, HEAD_DIM]))
             tma.store_wait(0)
-            mbarrier.arrive(q_empty.index(CONSUMER))
+            mbarrier.arrive(q_empty.index(qi))
         else:
             o_buf = o_smem.index(CONSUMER)
             tma.store_wait(0)
@@ -489,13 +520,14 @@ def _build_kernel():
     def _consume_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
                       o_desc, lse_ptr, tile, t, kv, BH, HQ, GROUP, N, M, SECTION, qk_scale,
                       CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr,
-                      HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                      HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                      QBUFS: gl.constexpr):
         # The CTA's t-th tile, number `tile`; returns the ring fills it took.
         b, hq, hkv, bh, m0, n_total, n_full = _tile_coords(tile, BH, N, M, HQ, GROUP, SECTION, 2 * HALF, BLOCK_N,
                                                            CAUSAL)
         _fa_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
                  o_desc, lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, t, kv, qk_scale,
-                 CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)
+                 CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS)
         return n_total
 
 
@@ -505,25 +537,25 @@ def _build_kernel():
                      tile_ids, o_desc, lse_ptr, BH, HQ, GROUP, N, M, SECTION, qk_scale,
                      CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr,
                      O_IN_Q: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     STAGES: gl.constexpr):
+                     STAGES: gl.constexpr, QBUFS: gl.constexpr):
         # The CTA's tiles in the producer's order: pid, pid + grid, ... (one tile unless the launch is
         # persistent, with fewer CTAs than tiles), or with a dynamic walk the tiles the producer drew.
         tiles = BH * gl.cdiv(N, 2 * HALF)
         t = 0
         kv = 0
         if DYNAMIC:
-            tile = _get_tile(tile_ids, q_bars, t, CONSUMER)
+            tile = _get_tile(tile_ids, q_bars, t, CONSUMER, QBUFS)
             while tile < tiles:
                 kv += _consume_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
                                     turn_bars, o_desc, lse_ptr, tile, t, kv, BH, HQ, GROUP, N, M, SECTION, qk_scale,
-                                    CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)
+                                    CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS)
                 t += 1
-                tile = _get_tile(tile_ids, q_bars, t, CONSUMER)
+                tile = _get_tile(tile_ids, q_bars, t, CONSUMER, QBUFS)
         else:
             for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
                 kv += _consume_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
                                     turn_bars, o_desc, lse_ptr, tile, t, kv, BH, HQ, GROUP, N, M, SECTION, qk_scale,
-                                    CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)
+                                    CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS)
                 t += 1
         tma.store_wait(0)
     # --8<-- [end:gluon-fwd-persistent]
@@ -534,7 +566,7 @@ def _build_kernel():
                        BH, HQ, GROUP, N, M, SECTION, qk_scale,
                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr,
-                       PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                       PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, QBUFS: gl.constexpr):
         HALF: gl.constexpr = 64
         dtype: gl.constexpr = q_desc.dtype
         # O has a staging buffer of its own unless that would overflow shared memory (D = 256)
@@ -542,24 +574,27 @@ def _build_kernel():
 
         smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
-        q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_layout)
+        # Q buffers of two halves each: with two, the next tile's Q loads while this one's last S runs
+        gl.static_assert(QBUFS == 1 or not O_IN_Q)
+        q_smem = gl.allocate_shared_memory(dtype, [2 * QBUFS, HALF, HEAD_DIM], q_layout)
         if O_IN_Q:
             o_smem = q_smem
         else:
             o_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
-        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_bars = gl.allocate_shared_memory(gl.int64, [2 * QBUFS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2 * QBUFS, 1], mbarrier.MBarrierLayout())
         turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        for c in gl.static_range(2):
+        for c in gl.static_range(2 * QBUFS):
             mbarrier.init(q_bars.index(c), count=1)
             mbarrier.init(q_empty.index(c), count=1)
+        for c in gl.static_range(2):
             mbarrier.init(turn_bars.index(c), count=1)
         for s in gl.static_range(STAGES):
             mbarrier.init(k_full.index(s), count=1)
@@ -571,13 +606,13 @@ def _build_kernel():
         gl.warp_specialize([
             (_fa_consumer, (q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
                             turn_bars, tile_ids, o_desc, lse_ptr, BH, HQ, GROUP, N, M, SECTION, qk_scale, 0, CAUSAL,
-                            DYNAMIC, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)),
+                            DYNAMIC, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS)),
             (_fa_consumer, (q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
                             turn_bars, tile_ids, o_desc, lse_ptr, BH, HQ, GROUP, N, M, SECTION, qk_scale, 1, CAUSAL,
-                            DYNAMIC, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES)),
+                            DYNAMIC, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS)),
             (_fa_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full, k_empty,
                             v_empty, tile_ids, counter_ptr, BH, HQ, GROUP, N, M, SECTION, CAUSAL, DYNAMIC, HALF,
-                            BLOCK_N, HEAD_DIM, STAGES)),
+                            BLOCK_N, HEAD_DIM, STAGES, QBUFS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     return _fa_fwd_kernel
@@ -638,7 +673,7 @@ def launch(kernel, grid: int, args: tuple, constexprs: dict, warps: int = 4) -> 
 
 def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong: bool | None = None,
             block_n: int | None = None, stages: int | None = None, out=None, persistent: bool | None = None,
-            dynamic: bool | None = None, section: int | None = None):
+            dynamic: bool | None = None, section: int | None = None, q_buffers: int | None = None):
     """FlashAttention forward on Hopper: returns (o, lse) with o like q and lse float32 (B, Hq, N).
 
     ``scale`` defaults to 1/sqrt(D). The rest are tuning knobs: ``pingpong``, ``block_n`` and
@@ -647,7 +682,9 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     query block; each CTA walks the blocks pid, pid + grid, ..., or with ``dynamic`` draws its next
     block from a counter shared by all CTAs. Under causal the blocks go in sections of ``section``
     heads, the longest block of each head first (default :func:`section_default` for a persistent
-    launch, 1 otherwise). ``out``, when given, receives o: any (B, Hq, N, D) tensor of q's dtype
+    launch, 1 otherwise). ``q_buffers`` (1 or 2) is how many tiles' Q a persistent CTA holds: with
+    two the producer loads the next tile's Q while the consumers finish this one (default
+    :func:`q_buffers_default`; a CTA of one tile holds one). ``out``, when given, receives o: any (B, Hq, N, D) tensor of q's dtype
     whose head dim is contiguous, such as one laid out like q."""
     import torch
 
@@ -691,6 +728,11 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     elif section is None:
         section = section_default(B * Hq, N, ctas) if persistent else 1
     section = max(1, min(section, B * Hq))
+    if not persistent:
+        q_buffers = 1
+    elif q_buffers is None:
+        q_buffers = q_buffers_default(D, causal)
+    assert q_buffers in (1, 2) and (q_buffers == 1 or D <= 128), "two Q buffers fit shared memory up to D = 128"
     q_desc, k_desc, v_desc, o_desc = (descriptor(q, HALF_M), descriptor(k, block_n), descriptor(v, block_n),
                                       descriptor(o, HALF_M))
     # A dynamic walk's tile counter, zeroed per call (a memset), so that calls on different streams,
@@ -700,6 +742,7 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
            (q_desc, k_desc, v_desc, o_desc, lse, counter, B * Hq, Hq, Hq // Hkv, N, M, section,
             float(scale) * LOG2E),
            dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), DYNAMIC=dynamic,
-                PINGPONG=bool(pingpong), PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS))
+                PINGPONG=bool(pingpong), PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS,
+                QBUFS=q_buffers))
     return o, lse
 

@@ -854,6 +854,8 @@ _WALKS = {  # hopper_fwd.forward's knobs for each way of walking the query block
     "dynamic": dict(persistent=True, dynamic=True),
     "dynamic, head by head": dict(persistent=True, dynamic=True, section=1),
     "dynamic, one section": dict(persistent=True, dynamic=True, section=10**6),
+    "static, one Q buffer": dict(persistent=True, dynamic=False, q_buffers=1),
+    "dynamic, two Q buffers": dict(persistent=True, dynamic=True, q_buffers=2),
 }
 
 
@@ -870,11 +872,14 @@ _WALKS = {  # hopper_fwd.forward's knobs for each way of walking the query block
 ])
 def test_hopper_forward_persistent_matches_float64_and_one_cta_per_block(walk, d, causal, b, h_q, h_kv, n, m):
     """A persistent launch (CTAs walking query blocks, the K/V ring and the Q and O buffers carried
-    from block to block; statically or drawing blocks from a counter, in sections of heads) gives
-    the same bits as one CTA per block, and float64's answer, with either mask and where blocks have
-    unequal work; a dynamic walk twice in a row (its counter is zeroed per call) gives them again."""
+    from block to block; statically or drawing blocks from a counter, in sections of heads, with one
+    or two Q buffers) gives the same bits as one CTA per block, and float64's answer, with either
+    mask and where blocks have unequal work; a dynamic walk twice in a row (its counter is zeroed per
+    call) gives them again."""
     from flashattn import hopper_fwd
 
+    if _WALKS[walk].get("q_buffers") == 2 and d > 128:
+        pytest.skip("two Q buffers fit shared memory up to D = 128")
     q, k, v = random_qkv(b, h_q, h_kv, n, m, d, dtype=torch.bfloat16, device="cuda")
     if not hopper_fwd.supported(q, k, v, causal):
         pytest.skip("the Gluon forward runs on sm_90 with Triton 3.6 only")
@@ -974,19 +979,22 @@ def test_hopper_forward_walks_persistently_where_it_measured_faster():
     assert hopper_fwd.section_default(3, 1024, 132) == 3 and hopper_fwd.section_default(64, 1000, 132) == 16
 
 
-@pytest.mark.parametrize("d, causal, kw, grid, dynamic, section", [
-    (128, True, {}, 132, True, 16),                      # 8 blocks per head, 256 heads: sections of 16
-    (128, False, {}, 132, False, 1),
-    (256, False, {}, 2048, False, 1),                   # one CTA per block
-    (256, True, dict(section=5), 132, True, 5),
-    (128, True, dict(persistent=False), 2048, False, 1),
-    (128, True, dict(pingpong=True), 2048, False, 1),   # ping-pong: one tile per CTA
+@pytest.mark.parametrize("d, causal, kw, grid, dynamic, section, qbufs", [
+    (128, True, {}, 132, True, 16, 1),                      # 8 blocks per head, 256 heads: sections of 16
+    (128, False, {}, 132, False, 1, 2),                     # static walk, next Q in a second buffer
+    (64, False, {}, 132, False, 1, 2),
+    (128, False, dict(q_buffers=1), 132, False, 1, 1),
+    (128, True, dict(q_buffers=2), 132, True, 16, 2),
+    (256, False, {}, 2048, False, 1, 1),                    # one CTA per block
+    (256, True, dict(section=5), 132, True, 5, 1),          # O staged in the one Q buffer
+    (128, True, dict(persistent=False), 2048, False, 1, 1),
+    (128, True, dict(pingpong=True), 2048, False, 1, 1),    # ping-pong: one tile per CTA
 ])
 def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d, causal, kw, grid, dynamic,
-                                                                 section):
+                                                                 section, qbufs):
     """hopper_fwd.forward's host code up to the launch, on the CPU (the kernel, the descriptors and
-    the SM count stubbed): the grid, the walk's constexpr, the section and a zeroed counter of its
-    own for a dynamic walk."""
+    the SM count stubbed): the grid, the walk's constexprs (the Q buffers included), the section and
+    a zeroed counter of its own for a dynamic walk."""
     from flashattn import _config, hopper_fwd
 
     launches = []
@@ -999,7 +1007,7 @@ def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d,
     assert o.shape == q.shape and lse.shape == (32, 8, 1024)
     [(kernel, launched_grid, args, constexprs)] = launches
     assert kernel == "kernel" and launched_grid == grid
-    assert constexprs["DYNAMIC"] == dynamic and constexprs["CAUSAL"] == causal
+    assert constexprs["DYNAMIC"] == dynamic and constexprs["CAUSAL"] == causal and constexprs["QBUFS"] == qbufs
     counter, bh, sect = args[5], args[6], args[11]
     assert bh == 256 and sect == section
     if dynamic:
