@@ -12,9 +12,11 @@ persistent launch the blocks pid, pid + grid, ... of a grid of at most one CTA p
     two Q halves, then K and V tiles into a ring of ``STAGES`` shared-memory slots, whose fills
     carry on from block to block.
 * a persistent CTA's producer loads the next block's Q half once that half's consumer has issued
-  its last S product of the current block (an "empty" mbarrier per half); O leaves through a
-  buffer of its own (D <= 128) by TMA, so the next Q may land while O is stored. At D = 256 there
-  is no room for that buffer: O is staged in the dead Q half, which is released after the store.
+  its last S product of the block that used the buffer last (an "empty" mbarrier per half and
+  buffer): with one Q buffer (``QBUFS``) the current block, with two (the default without a mask
+  at D <= 128, :func:`q_buffers_default`) the block before it. O leaves through a buffer of its
+  own (D <= 128) by TMA, so the next Q may land while O is stored. At D = 256 there is no room for
+  that buffer: O is staged in the dead Q half, which is released after the store.
 * a persistent walk is static (blocks pid, pid + grid, ...) or dynamic (``DYNAMIC``, the default
   under causal): the producer draws the CTA's next block from a counter all CTAs add to (an int32
   zeroed per call) and hands its number to the consumers in shared memory, written before the
