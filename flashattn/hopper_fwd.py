@@ -92,8 +92,8 @@ def q_buffers_default(head_dim: int, causal: bool) -> int:
     staging and the 128 KB K/V ring, 224 KB of the 227), one at D = 256, where O is staged in the Q
     buffer. Measured on an H200 (bfloat16, B * N = 16k tokens): without a mask two buffers were
     1.4-3.0% faster at D = 128 and 0.6-2.2% at D = 64 (N = 1024..16384); under causal, where the
-    dynamic walk's producer then draws each next tile a tile earlier, -2.9% to +2.8% (tuning log
-    "Two Q buffers"), so causal walks keep one."""
+    dynamic walk's producer then draws each next tile a tile earlier, -2.9% to +3.3% (tuning log
+    "A query block's fixed cost"), so causal walks keep one."""
     return 2 if head_dim <= 128 and not causal else 1
 
 
