@@ -300,6 +300,19 @@ def _build_kernel():
         return gl.max(tile_ids.index(t % 2).load(one), axis=0)
 
     @gluon.jit
+    def _wait_q_free(q_empty, t, QBUFS: gl.constexpr):
+        # Both halves of the Q buffer of the CTA's t-th tile released by their consumers (a fresh
+        # mbarrier counts as having completed the phase before phase 0: the first waits return at once).
+        for c in gl.static_range(2):
+            mbarrier.wait(q_empty.index((t % QBUFS) * 2 + c), ((t // QBUFS) & 1) ^ 1)
+
+    @gluon.jit
+    def _load_q_half(q_desc, q_bars, q_smem, slot, b, hq, row, HALF: gl.constexpr, HEAD_DIM: gl.constexpr):
+        mbarrier.expect(q_bars.index(slot), HALF * HEAD_DIM * 2)
+        tma.async_copy_global_to_shared(q_desc, [b, hq, row, 0], q_bars.index(slot),
+                                        q_smem.index(slot).reshape([1, 1, HALF, HEAD_DIM]))
+
+    @gluon.jit
     def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full, k_empty,
                       v_empty, tile_ids, tile, t, kv, BH, HQ, GROUP, N, M, SECTION,
                       CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -307,30 +320,23 @@ def _build_kernel():
         # The CTA's t-th tile: its Q halves into Q buffer t % QBUFS (once the consumers are done
         # with the tile that used it last), then its K and V tiles into the ring. Returns the number
         # of ring fills it took.
-        QBYTES: gl.constexpr = HALF * HEAD_DIM * 2
         b, hq, hkv, bh, m0, n_total, n_full = _tile_coords(tile, BH, N, M, HQ, GROUP, SECTION, 2 * HALF, BLOCK_N,
                                                            CAUSAL)
-        base = (t % QBUFS) * 2
-        empty_phase = ((t // QBUFS) & 1) ^ 1
         if QBUFS == 1:
+            # each half loads as soon as its own consumer has released it
             for c in gl.static_range(2):
-                mbarrier.wait(q_empty.index(c), empty_phase)
+                mbarrier.wait(q_empty.index(c), (t & 1) ^ 1)
                 if DYNAMIC and c == 0:
                     _put_tile(tile_ids, t, tile)
-                mbarrier.expect(q_bars.index(c), QBYTES)
-                tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + c * HALF, 0], q_bars.index(c),
-                                                q_smem.index(c).reshape([1, 1, HALF, HEAD_DIM]))
+                _load_q_half(q_desc, q_bars, q_smem, c, b, hq, m0 + c * HALF, HALF, HEAD_DIM)
         else:
             # Both consumers have released the buffer, so both have read the tile number in the
             # slot this overwrites.
-            for c in gl.static_range(2):
-                mbarrier.wait(q_empty.index(base + c), empty_phase)
+            _wait_q_free(q_empty, t, QBUFS)
             if DYNAMIC:
                 _put_tile(tile_ids, t, tile)
             for c in gl.static_range(2):
-                mbarrier.expect(q_bars.index(base + c), QBYTES)
-                tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + c * HALF, 0], q_bars.index(base + c),
-                                                q_smem.index(base + c).reshape([1, 1, HALF, HEAD_DIM]))
+                _load_q_half(q_desc, q_bars, q_smem, (t % QBUFS) * 2 + c, b, hq, m0 + c * HALF, HALF, HEAD_DIM)
         _load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, b, hkv, n_total, kv,
                       BLOCK_N, HEAD_DIM, STAGES)
         return n_total
@@ -356,12 +362,10 @@ def _build_kernel():
                 t += 1
                 tile = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1, sem="relaxed")
             # No tile left: a tile number past the end wakes the consumers, which then stop.
-            base = (t % QBUFS) * 2
-            for c in gl.static_range(2):
-                mbarrier.wait(q_empty.index(base + c), ((t // QBUFS) & 1) ^ 1)
+            _wait_q_free(q_empty, t, QBUFS)
             _put_tile(tile_ids, t, tile)
             for c in gl.static_range(2):
-                mbarrier.arrive(q_bars.index(base + c))
+                mbarrier.arrive(q_bars.index((t % QBUFS) * 2 + c))
         else:
             for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
                 kv += _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full,
