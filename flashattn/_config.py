@@ -70,11 +70,13 @@ _INTERPRETER = {
 # Hopper (sm_90): measured on an H200 with the tensor-descriptor kernels, fp16, B * N = 16k tokens,
 # hidden 2048 (docs/kernels/tuning-log.md, "TMA pass" and "Two stages"). Keyed by (kernel, BLOCK_D); a
 # pair is (non-causal, causal). Causal tiles are smaller where the diagonal makes short rows common;
-# the causal forward at D <= 64 takes 64 x 64 tiles up to N = 2048 (293 against 260 TFLOP/s at
-# N = 1024) and 64 x 128 above. The forward runs two pipeline stages, not three: at D <= 64 that is
-# +3% to +13% (64 x 128 tiles), at D = 128 it lets one warpgroup hold a 128-row tile (+3% to +14%).
+# the causal forward at D <= 64 takes 64 x 64 tiles up to N = 1024 (300 against 289 TFLOP/s for
+# 64 x 128 at N = 1024, fp16) and 64 x 128 above (351 against 333-342 for 64 x 64 at N = 2048). The
+# forward runs two pipeline stages, not three: at D <= 64 that is +3% to +13% (64 x 128 tiles), +3%
+# on 64 x 64 causal tiles at N = 1024; at D = 128 it lets one warpgroup hold a 128-row tile (+3% to
+# +14%). (Tuning log, "Causal D = 64 forward tiles, again".)
 _H64 = {
-    "fwd": (KernelConfig(64, 128, 4, 2), ByLength(2048, KernelConfig(64, 64, 4, 3), KernelConfig(64, 128, 4, 2))),
+    "fwd": (KernelConfig(64, 128, 4, 2), ByLength(1024, KernelConfig(64, 64, 4, 2), KernelConfig(64, 128, 4, 2))),
     "bwd_dkdv": (KernelConfig(64, 64, 4, 3), KernelConfig(32, 64, 4, 3)),
     "bwd_dq": KernelConfig(128, 64, 8, 3),
 }

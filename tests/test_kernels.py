@@ -337,7 +337,8 @@ def test_hopper_table_picks_the_forward_tile_by_variant(monkeypatch):
     assert fwd(128, dropout_p=0.1) == fwd(128, causal=True, dropout_p=0.1) == small
     assert fwd(128, dropout_p=0.1, window=(256, 256)) == small  # dropout's tiles come first
     assert fwd(64) == fwd(64, causal=True, n=4096) == _config.KernelConfig(64, 128, 4, 2)
-    assert fwd(64, causal=True, n=1024) == _config.KernelConfig(64, 64, 4, 3)
+    assert fwd(64, causal=True, n=1024) == _config.KernelConfig(64, 64, 4, 2)
+    assert fwd(64, causal=True, n=1025) == fwd(64, causal=True, n=2048) == _config.KernelConfig(64, 128, 4, 2)
     assert fwd(64, dropout_p=0.1) == fwd(32, dropout_p=0.1) == small
     assert fwd(256, dropout_p=0.1) == fwd(256)  # D = 256 keeps its tile
     assert get("bwd_dkdv", 128, dropout_p=0.1) == get("bwd_dkdv", 128, causal=True, dropout_p=0.1) \
