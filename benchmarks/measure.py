@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -77,6 +79,51 @@ def time_backward(fn, inputs, timer) -> float:
     o = fn(q, k, v)
     try:
         return timer(lambda: o.backward(do, retain_graph=True), grad_to_none=[q, k, v])
+    finally:
+        for x in (q, k, v):
+            x.grad = None
+
+
+def host_us_per_call(fn, *, sync, grad_to_none=None, calls: int = 20, clock=time.perf_counter) -> float:
+    """Microseconds the host takes to issue one call of ``fn``: ``calls`` calls back to back with no
+    synchronization between them (``sync`` waits for the GPU before and after). A call whose host
+    time comes near its GPU time keeps the GPU waiting in ``do_bench``'s loop too, and its reading
+    is then the host's, not the kernels'; the grid records this next to every timing to tell them
+    apart."""
+    sync()
+    start = clock()
+    for _ in range(calls):
+        if grad_to_none is not None:
+            for x in grad_to_none:
+                x.grad = None
+        fn()
+    host = (clock() - start) / calls * 1e6
+    sync()
+    return host
+
+
+HOST_LOOP_MS = 10.0  # about how long the loop of :func:`host_forward` / :func:`host_backward` runs
+
+
+def host_calls(ms: float) -> int:
+    """How many calls :func:`host_forward` / :func:`host_backward` make of a callable timed at ``ms``:
+    about :data:`HOST_LOOP_MS` of them, at least 3 and at most 20, so the long settings add little time."""
+    return max(3, min(20, round(HOST_LOOP_MS / ms)))
+
+
+def host_forward(fn, inputs, sync, ms: float) -> float:
+    """:func:`host_us_per_call` of the callable :func:`time_forward` timed at ``ms``."""
+    q, k, v, _ = inputs
+    return host_us_per_call(lambda: fn(q, k, v), sync=sync, calls=host_calls(ms))
+
+
+def host_backward(fn, inputs, sync, ms: float) -> float:
+    """:func:`host_us_per_call` of the callable :func:`time_backward` timed at ``ms``."""
+    q, k, v, do = inputs
+    o = fn(q, k, v)
+    try:
+        return host_us_per_call(lambda: o.backward(do, retain_graph=True), sync=sync, grad_to_none=[q, k, v],
+                                calls=host_calls(ms))
     finally:
         for x in (q, k, v):
             x.grad = None

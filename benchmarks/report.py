@@ -35,6 +35,9 @@ PASS_NAMES = {"fwd": "forward", "bwd": "backward"}
 # The latency targets (flashattn's time per call / SDPA flash's, at N = 512 and B x H = 16).
 LATENCY_TARGETS = {("eager", "fwd"): 1.5, ("eager", "fwd_bwd"): 1.5, ("reduce-overhead", "fwd"): 1.1,
                    ("reduce-overhead", "fwd_bwd"): 1.1}
+# A timing whose host time per call is at least this share of its GPU time per call is listed as one the
+# host may bound (the grid's "Calls the host may bound").
+HOST_NEAR = 0.5
 LATENCY_TARGET_PEER = "sdpa_flash"
 LATENCY_TARGET_SHAPE = (512, 16)  # (N, B x H)
 LATENCY_PASS_NAMES = {"fwd": "forward", "fwd_bwd": "forward + backward"}
@@ -199,6 +202,34 @@ def summary_markdown(results) -> str:
     return "\n".join(out) + "\n"
 
 
+def host_bound(results) -> list[dict]:
+    """The timings (measurement records) whose host time per call, where the run recorded it, is at
+    least :data:`HOST_NEAR` of the GPU time per call that was timed."""
+    return [m for m in results["measurements"]
+            if m["status"] == "ok" and m.get("host_us") is not None and m["host_us"] >= HOST_NEAR * m["ms"] * 1e3]
+
+
+def _host_bound_markdown(results) -> list[str]:
+    timed = [m for m in results["measurements"] if m["status"] == "ok" and m.get("host_us") is not None]
+    if not timed:
+        return []  # a run from before the grid recorded host time
+    near = host_bound(results)
+    out = ["", "### Calls the host may bound", "",
+           f"{_md(results['config'].get('host', 'host_us'), 300)}. Listed: the timings whose host time per "
+           f"call is at least {HOST_NEAR:.0%} of the GPU time per call timed for them, where `do_bench`'s loop "
+           f"may wait for the host and read the host's speed rather than the kernels' ({len(near)} of "
+           f"{len(timed)} timings)."]
+    if near:
+        out += ["", "| provider | dtype | D | mask | N | pass | GPU µs per call | host µs per call |",
+                "|---|---|---|---|---|---|---|---|"]
+        for m in sorted(near, key=lambda m: (m["provider"], m["dtype"], m["head_dim"], m["causal"], _gqa(m),
+                                             m["seqlen"], m["pass"])):
+            mask = _mask(m["causal"]) + (f", GQA {_gqa(m)}" if _gqa(m) else "")
+            out.append(f"| {m['provider']} | {m['dtype']} | {m['head_dim']} | {mask} | {m['seqlen']} | {m['pass']} "
+                       f"| {m['ms'] * 1e3:.0f} | {m['host_us']:.0f} |")
+    return out
+
+
 def _grid_markdown(results) -> list[str]:
     cfg = results["config"]
     peers = _peers(results)
@@ -270,6 +301,8 @@ def _grid_markdown(results) -> list[str]:
                 if m.get("gqa") and (m["dtype"], m["head_dim"], m["causal"], _gqa(m)) == group}
         if group[3] and hows:
             out += ["", "GQA as run: " + "; ".join(f"`{p}` {how}" for p, how in hows.items()) + "."]
+
+    out += _host_bound_markdown(results)
 
     missing = {}
     for m in results["measurements"]:

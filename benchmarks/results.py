@@ -7,8 +7,9 @@ Top-level keys (``SCHEMA`` names the version):
 * ``providers`` -- name -> label and how it is called;
 * ``checks`` -- the correctness check of each provider (one shape per dtype x head dim x mask);
 * ``measurements`` -- one record per setting x provider x pass (``fwd``/``bwd``): ``status`` is ``ok``
-  (with ``ms``, ``flops``, ``tflops``), ``unsupported``, ``oom``, ``error`` (with the message) or
-  ``skipped`` (not run by design, or the time budget ran out, with the reason);
+  (with ``ms``, ``flops``, ``tflops``, and in runs that recorded it ``host_us``, the host's time per
+  call), ``unsupported``, ``oom``, ``error`` (with the message) or ``skipped`` (not run by design, or
+  the time budget ran out, with the reason);
 * ``memory`` -- one record per setting x provider: peak bytes of a forward + backward;
 * ``long_context`` -- the single-head N = 131072 run and the naive reference's attempt;
 * ``latency`` -- per-call wall-clock time at small shapes (:mod:`benchmarks.latency`), or absent/None
@@ -72,6 +73,8 @@ def validate(results: dict) -> None:
             for key in ("ms", "flops", "tflops"):
                 if not isinstance(m.get(key), (int, float)) or not m[key] > 0:
                     raise ValueError(f"{where}: status ok needs a positive {key!r}, got {m.get(key)!r}")
+            if "host_us" in m and not (isinstance(m["host_us"], (int, float)) and m["host_us"] > 0):
+                raise ValueError(f"{where}: 'host_us' must be a positive number, got {m['host_us']!r}")
         elif not m.get("error"):
             raise ValueError(f"{where}: status {m['status']!r} needs an 'error' that says why")
     for i, m in enumerate(results["memory"]):

@@ -68,11 +68,13 @@ class Clock:
 
 
 def run_grid(settings, providers, *, device, timer, peak_memory, clock=None, progress=None, on_setting=None,
-             log=print) -> dict:
+             log=print, host_sync=None) -> dict:
     """Measure every provider at every setting; return ``{"checks", "measurements", "memory"}``.
 
     ``timer(fn, grad_to_none=None) -> ms`` and ``peak_memory(fn, inputs) -> bytes`` are injected so the
     loop itself runs (and is tested) on a CPU; a GPU run passes the do_bench timer and CUDA memory stats.
+    With ``host_sync`` (a function that waits for the device) each timing also gets ``host_us``, the
+    host's time to issue one call (:func:`benchmarks.measure.host_us_per_call`).
     The first setting of each dtype x head dim x mask is also the correctness-check shape.
     """
     clock = clock or Clock(None)
@@ -95,7 +97,8 @@ def run_grid(settings, providers, *, device, timer, peak_memory, clock=None, pro
                 reason = f"time budget of {clock.budget_s:.0f} s spent before this setting"
             if reason is None:
                 failure = _measure_one(setting, provider, inputs, refs, device=device, timer=timer,
-                                       peak_memory=peak_memory, do_check=do_check, out=out, line=line)
+                                       peak_memory=peak_memory, do_check=do_check, out=out, line=line,
+                                       host_sync=host_sync)
                 # A provider that cannot even make its first call (a compile error, a refused head dim)
                 # is not retried at the longer lengths of the group: each attempt can cost a compile.
                 # Out of memory is not carried over: a shorter length may fit where a longer one did not.
@@ -117,7 +120,8 @@ def run_grid(settings, providers, *, device, timer, peak_memory, clock=None, pro
     return out
 
 
-def _measure_one(setting, provider, inputs, refs, *, device, timer, peak_memory, do_check, out, line):
+def _measure_one(setting, provider, inputs, refs, *, device, timer, peak_memory, do_check, out, line,
+                 host_sync=None):
     """Prepare, check (where due), time both passes and take the memory of one provider at one setting.
 
     Returns (status, message) when the provider could not make its first call, else None."""
@@ -158,7 +162,8 @@ def _measure_one(setting, provider, inputs, refs, *, device, timer, peak_memory,
         line.append(f"{provider.name}: check {verdict} ({detail})")
     times = {}
     gqa = getattr(fn, "gqa", None) if failure is None else None
-    for p, time_pass in (("fwd", measure.time_forward), ("bwd", measure.time_backward)):
+    for p, time_pass, host_pass in (("fwd", measure.time_forward, measure.host_forward),
+                                    ("bwd", measure.time_backward, measure.host_backward)):
         rec = _record(setting, provider, **{"pass": p})
         if gqa:
             rec["gqa"] = gqa
@@ -167,6 +172,8 @@ def _measure_one(setting, provider, inputs, refs, *, device, timer, peak_memory,
                 ms = time_pass(fn, inputs, timer)
                 flops, tf = measure.tflops(setting, p, ms)
                 rec.update(status="ok", ms=ms, flops=flops, tflops=tf, prepare_s=prepare_s)
+                if host_sync is not None:
+                    rec["host_us"] = host_pass(fn, inputs, host_sync, ms)
                 times[p] = tf
             except Exception as exc:  # noqa: BLE001
                 rec.update(zip(("status", "error"), measure.classify_error(exc)))
@@ -485,6 +492,8 @@ def main(argv=None) -> int:
     config = {"sections": list(args.sections), "quick": args.quick, "warmup_ms": args.warmup_ms,
               "rep_ms": args.rep_ms, "return_mode": "median",
               "timer": "triton.testing.do_bench (CUDA events, L2 flushed before each call)",
+              "host": ("host_us: the host's microseconds per call of the same callable, about 10 ms of calls "
+                       "(3 to 20) back to back with no synchronization between them and no L2 flush"),
               "forward": FORWARD_HOW, "backward": BACKWARD_HOW, "memory": MEMORY_HOW,
               "flops": "flashattn.cost.attention_flops(batch, heads, n, m, d, causal=..., mode='fwd'|'bwd')",
               "check": (f"o, dq, dk, dv against flashattn.reference.naive_attention in float64 at the first length "
@@ -583,7 +592,8 @@ def _run_grid_section(args, settings, chosen, device, clock, results, save_parti
     partial = run_grid(settings, chosen, device=device,
                        timer=measure.do_bench_timer(warmup=args.warmup_ms, rep=args.rep_ms),
                        peak_memory=measure.cuda_peak_memory, clock=clock, progress=progress,
-                       on_setting=save_partial, log=lambda s: (log(s), sys.stdout.flush()))
+                       on_setting=save_partial, log=lambda s: (log(s), sys.stdout.flush()),
+                       host_sync=(lambda: None) if device == "cpu" else torch.cuda.synchronize)
     if progress is not None:
         progress.close()
     results.update(partial)

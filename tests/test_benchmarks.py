@@ -386,6 +386,7 @@ def test_run_main_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     assert res["complete"] and res["grid"]["tokens"] == 64 and "gqa" not in res["grid"]
     assert res["config"]["sections"] == ["grid", "latency"]
     assert len(res["measurements"]) == 8 * 2 * 2 and all(m["status"] == "ok" for m in res["measurements"])
+    assert all(m["host_us"] > 0 for m in res["measurements"]) and "host_us" in res["config"]["host"]
     assert all(c["passed"] for c in res["checks"]) and len(res["checks"]) == 4 * 2
     lat = res["latency"]["records"]
     # 2 shapes (both masks) x 2 providers x 1 mode x 2 passes, every one timed.
@@ -399,6 +400,7 @@ def test_run_main_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     assert "vs reference" in printed  # the ratio table ends the grid's output
     summary = (tmp_path / "summary.md").read_text()
     assert "### Per-call latency at small shapes" in summary and "#### µs per call, eager" in summary
+    assert "### Calls the host may bound" in summary
 
 
 def test_run_latency_section_alone(tmp_path, monkeypatch):
@@ -1189,3 +1191,79 @@ def test_ab_providers_run_flashattn_under_their_tuning_forward_and_backward(monk
         assert {key: getattr(state, key) for key in expected} == expected
     assert _config.tuning_is_default()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+# -- the host's time per call beside each timing ----------------------------------------------------------
+
+class TickClock:
+    """A clock that moves only when told to (synthetic seconds)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_host_time_per_call_counts_the_calls_and_not_the_waits():
+    clock, log = TickClock(), []
+
+    def call():
+        clock.now += 3e-6  # each call: 3 µs of host work
+        log.append("call")
+
+    def sync():
+        clock.now += 1.0  # waiting for the device: never counted
+        log.append("sync")
+
+    got = measure.host_us_per_call(call, sync=sync, calls=5, clock=clock)
+    assert got == pytest.approx(3.0)
+    assert log == ["sync"] + ["call"] * 5 + ["sync"]
+
+
+def test_host_time_per_call_clears_the_gradients_before_each_call():
+    x = torch.zeros(2, requires_grad=True)
+    seen = []
+
+    def call():
+        seen.append(x.grad)
+        x.grad = torch.ones(2)
+
+    measure.host_us_per_call(call, sync=lambda: None, grad_to_none=[x], calls=3)
+    assert seen == [None, None, None]
+
+
+def test_host_loop_lasts_about_ten_milliseconds_within_bounds():
+    assert measure.host_calls(0.5) == 20 and measure.host_calls(1.0) == 10 and measure.host_calls(2.5) == 4
+    assert measure.host_calls(0.01) == 20 and measure.host_calls(50.0) == 3
+
+
+def test_loop_records_host_time_only_when_asked(tiny):
+    syncs = []
+    out = run.run_grid(tiny_grid()[:2], CPU_PROVIDERS[:2], device="cpu", timer=fake_timer,
+                       peak_memory=lambda fn, inputs: 4096, log=lambda s: None, host_sync=lambda: syncs.append(1))
+    ok = [m for m in out["measurements"] if m["status"] == "ok"]
+    assert len(ok) == 2 * 2 * 2 and all(m["host_us"] > 0 for m in ok)
+    assert len(syncs) == 2 * len(ok)  # one wait before and one after each timing's loop of calls
+    assert all("host_us" not in m for m in tiny["measurements"])  # the fixture's run did not ask
+
+
+def test_summary_lists_the_timings_the_host_may_bound(tmp_path):
+    res = hand_made_results()
+    res["config"]["host"] = "host_us: synthetic (test)"
+    ok = [m for m in res["measurements"] if m["status"] == "ok"]
+    for m in ok:
+        m["host_us"] = 100.0  # against 1000 µs of GPU per call: far from bound
+    near = ok[3]
+    near["host_us"] = 600.0  # 60% of its 1000 µs: listed
+    results.validate(res)
+    assert report.host_bound(res) == [near]
+    summary = report.summary_markdown(res)
+    assert "### Calls the host may bound" in summary and f"(1 of {len(ok)} timings)" in summary
+    assert f"| {near['provider']} | float32 | {near['head_dim']} |" in summary and "| 1000 | 600 |" in summary
+    for m in ok:
+        m.pop("host_us")
+    assert "Calls the host may bound" not in report.summary_markdown(res)  # a run that did not record it
+    near["host_us"] = 0.0
+    with pytest.raises(ValueError, match="host_us"):
+        results.validate(res)
