@@ -209,7 +209,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         block_table: (B, max_pages) int32; row b lists the pages of sequence b. Any page size.
         num_splits: how many programs share one sequence's keys; chosen from the problem size and
             the SM count when None.
-        return_lse: also return the natural-log log-sum-exp, float32, shape (B, Hq, Nq).
+        return_lse: also return the natural-log log-sum-exp, float32 (float64 for float64 inputs), shape
+            (B, Hq, Nq).
 
     Returns:
         ``o`` (B, Nq, Hq, D) in q's dtype, or ``(o, lse)``. A query that sees no key (an empty

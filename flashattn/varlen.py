@@ -99,8 +99,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         causal: bottom-right aligned within each sequence: query ``i`` of a sequence with ``N_i``
             queries and ``M_i`` keys sees key ``j`` when ``j <= i + M_i - N_i``.
         scale: softmax scale; ``1 / sqrt(D)`` when None.
-        return_lse: also return the natural-log log-sum-exp of each row, (Hq, total_q) float32 (the
-            layout of ``flash_attn_varlen_func``), differentiable like :func:`flashattn.attention`'s.
+        return_lse: also return the natural-log log-sum-exp of each row, (Hq, total_q), float32 (float64
+            for float64 inputs; the layout of ``flash_attn_varlen_func``), differentiable like
+            :func:`flashattn.attention`'s.
         validate: check the values of cu_seqlens (start 0, non-decreasing, end at the totals, lengths
             at most max_seqlen). On the CPU they are always checked; for CUDA tensors the check costs
             one host sync, so a caller that builds cu_seqlens itself can pass ``validate=False``.
