@@ -140,9 +140,10 @@ def _bwd_dkdv_inner(
             dp_t = tl.dot(b_v, tl.trans(b_do))
         p_t = tl.exp2(s_t - b_lse2[None, :])  # P = exp(s - lse): the forward's softmax, recomputed
         if MASKED:
-            # Rows past N are zeroed explicitly. Defensive: their Q and dO load as zeros (descriptor
-            # zero-fill) and their lse2 and delta as 0 (other=0.0), so P stays finite; the mask keeps a
-            # padding row out of dK and dV even if a future load stopped zero-filling.
+            # Rows past N are zeroed explicitly. In one dense problem that is defensive: their Q and dO
+            # load as zeros (descriptor zero-fill) and their lse2 and delta as 0 (other=0.0), so P stays
+            # finite and dS is 0. In packed sequences it is needed: the descriptor spans the pack, so
+            # those rows are the next sequence's queries, whose P would reach dK and dV.
             p_t = tl.where(tile_mask(rows[None, :], offs_n[:, None], N_CTX_Q, N_CTX_K, win_left, win_right,
                                      CAUSAL, HAS_WINDOW), p_t, 0.0)
         # --8<-- [end:bwd-recompute-p]

@@ -82,7 +82,7 @@ CPU_CASES = [
     (1, 4, 2, 33, 64, 128, True, "bnhd"),  # non-contiguous, GQA 2, N < M causal
     (1, 1, 1, 1, 1, 16, True, "bhnd"),  # the smallest problem
     (1, 2, 1, 1, 40, 24, True, "bhnd"),  # decoding: one query over a KV cache
-    (1, 2, 2, 64, 48, 16, True, "bhnd"),  # N, M multiples of the blocks: the unmasked paths alone
+    (1, 2, 2, 64, 48, 16, True, "bhnd"),  # N > M causal: rows 0-15 see no key; M = 48 splits dK/dV's 32-key block
 ]
 
 
