@@ -102,31 +102,23 @@ def host_us_per_call(fn, *, sync, grad_to_none=None, calls: int = 20, clock=time
     return host
 
 
-HOST_LOOP_MS = 10.0  # about how long the loop of :func:`host_forward` / :func:`host_backward` runs
+HOST_LOOP_MS = 10.0  # about how long the loop of :func:`host_timer` runs
 
 
 def host_calls(ms: float) -> int:
-    """How many calls :func:`host_forward` / :func:`host_backward` make of a callable timed at ``ms``:
+    """How many calls :func:`host_timer` makes of a callable timed at ``ms``:
     about :data:`HOST_LOOP_MS` of them, at least 3 and at most 20, so the long settings add little time."""
     return max(3, min(20, round(HOST_LOOP_MS / ms)))
 
 
-def host_forward(fn, inputs, sync, ms: float) -> float:
-    """:func:`host_us_per_call` of the callable :func:`time_forward` timed at ``ms``."""
-    q, k, v, _ = inputs
-    return host_us_per_call(lambda: fn(q, k, v), sync=sync, calls=host_calls(ms))
+def host_timer(sync, ms: float):
+    """A timer for :func:`time_forward` / :func:`time_backward` that returns :func:`host_us_per_call`
+    of the pass's callable (timed at ``ms`` by the GPU timer) instead of its GPU time."""
 
+    def timer(fn, grad_to_none=None):
+        return host_us_per_call(fn, sync=sync, grad_to_none=grad_to_none, calls=host_calls(ms))
 
-def host_backward(fn, inputs, sync, ms: float) -> float:
-    """:func:`host_us_per_call` of the callable :func:`time_backward` timed at ``ms``."""
-    q, k, v, do = inputs
-    o = fn(q, k, v)
-    try:
-        return host_us_per_call(lambda: o.backward(do, retain_graph=True), sync=sync, grad_to_none=[q, k, v],
-                                calls=host_calls(ms))
-    finally:
-        for x in (q, k, v):
-            x.grad = None
+    return timer
 
 
 def cuda_peak_memory(fn, inputs) -> int:

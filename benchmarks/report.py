@@ -202,15 +202,19 @@ def summary_markdown(results) -> str:
     return "\n".join(out) + "\n"
 
 
+def _host_timed(results) -> list[dict]:
+    """The timings (measurement records) for which the run recorded the host's time per call."""
+    return [m for m in results["measurements"] if m["status"] == "ok" and m.get("host_us") is not None]
+
+
 def host_bound(results) -> list[dict]:
-    """The timings (measurement records) whose host time per call, where the run recorded it, is at
-    least :data:`HOST_NEAR` of the GPU time per call that was timed."""
-    return [m for m in results["measurements"]
-            if m["status"] == "ok" and m.get("host_us") is not None and m["host_us"] >= HOST_NEAR * m["ms"] * 1e3]
+    """The timings whose host time per call is at least :data:`HOST_NEAR` of the GPU time per call
+    that was timed."""
+    return [m for m in _host_timed(results) if m["host_us"] >= HOST_NEAR * m["ms"] * 1e3]
 
 
 def _host_bound_markdown(results) -> list[str]:
-    timed = [m for m in results["measurements"] if m["status"] == "ok" and m.get("host_us") is not None]
+    timed = _host_timed(results)
     if not timed:
         return []  # a run from before the grid recorded host time
     near = host_bound(results)
