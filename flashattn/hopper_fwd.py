@@ -294,9 +294,15 @@ def _build_kernel():
         tile_ids.index(t % 2).store(gl.full([1], tile, gl.int32, one))
 
     @gluon.jit
+    def _q_slot(t, c, QBUFS: gl.constexpr):
+        # The Q slot (barrier and shared-memory half) of consumer c's half of the CTA's t-th tile:
+        # buffer t % QBUFS, two halves per buffer. A slot's phase is (t // QBUFS) & 1.
+        return (t % QBUFS) * 2 + c
+
+    @gluon.jit
     def _get_tile(tile_ids, q_bars, t, CONSUMER: gl.constexpr, QBUFS: gl.constexpr):
         one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        mbarrier.wait(q_bars.index((t % QBUFS) * 2 + CONSUMER), (t // QBUFS) & 1)
+        mbarrier.wait(q_bars.index(_q_slot(t, CONSUMER, QBUFS)), (t // QBUFS) & 1)
         return gl.max(tile_ids.index(t % 2).load(one), axis=0)
 
     @gluon.jit
@@ -304,7 +310,7 @@ def _build_kernel():
         # Both halves of the Q buffer of the CTA's t-th tile released by their consumers (a fresh
         # mbarrier counts as having completed the phase before phase 0: the first waits return at once).
         for c in gl.static_range(2):
-            mbarrier.wait(q_empty.index((t % QBUFS) * 2 + c), ((t // QBUFS) & 1) ^ 1)
+            mbarrier.wait(q_empty.index(_q_slot(t, c, QBUFS)), ((t // QBUFS) & 1) ^ 1)
 
     @gluon.jit
     def _load_q_half(q_desc, q_bars, q_smem, slot, b, hq, row, HALF: gl.constexpr, HEAD_DIM: gl.constexpr):
@@ -336,7 +342,7 @@ def _build_kernel():
             if DYNAMIC:
                 _put_tile(tile_ids, t, tile)
             for c in gl.static_range(2):
-                _load_q_half(q_desc, q_bars, q_smem, (t % QBUFS) * 2 + c, b, hq, m0 + c * HALF, HALF, HEAD_DIM)
+                _load_q_half(q_desc, q_bars, q_smem, _q_slot(t, c, QBUFS), b, hq, m0 + c * HALF, HALF, HEAD_DIM)
         _load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, b, hkv, n_total, kv,
                       BLOCK_N, HEAD_DIM, STAGES)
         return n_total
@@ -365,7 +371,7 @@ def _build_kernel():
             _wait_q_free(q_empty, t, QBUFS)
             _put_tile(tile_ids, t, tile)
             for c in gl.static_range(2):
-                mbarrier.arrive(q_bars.index((t % QBUFS) * 2 + c))
+                mbarrier.arrive(q_bars.index(_q_slot(t, c, QBUFS)))
         else:
             for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
                 kv += _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full,
@@ -449,7 +455,7 @@ def _build_kernel():
         turn_mine = turn_bars.index(CONSUMER)
         turn_other = turn_bars.index(1 - CONSUMER)
 
-        qi = (t % QBUFS) * 2 + CONSUMER
+        qi = _q_slot(t, CONSUMER, QBUFS)
         q = q_smem.index(qi)
         mbarrier.wait(q_bars.index(qi), (t // QBUFS) & 1)
 
