@@ -98,12 +98,14 @@ def pointer_positions(captured: list) -> set:
             for position, a in enumerate(args) if isinstance(a, torch.Tensor)}
 
 
-def replayed_and_full(run, first: tuple, later: tuple, inputs: tuple, before_later=None) -> dict:
+def replayed_and_full(run, first: tuple, later: tuple, inputs: tuple, before_later=None,
+                      second_stream: bool = False) -> dict:
     """``run(*first)`` then ``run(*later)`` under :func:`launches_disabled`, once with recipes kept and
-    once with none. Returns, per path (``True``: replayed), the later call's launches as
-    :func:`normalized` gives them against ``inputs``, and for the replayed path how many compiled-kernel
-    cache keys the later call made (``"keys"``: none when it replayed) and the recipes kept
-    (``"kept"``). ``before_later`` runs between the two calls (with the capture on)."""
+    once with none. Returns, per path (``True``: replayed), the later call's launches (and stream
+    waits) as :func:`normalized` gives them against ``inputs``, and for the replayed path how many
+    compiled-kernel cache keys the later call made (``"keys"``: none when it replayed) and the
+    recipes kept (``"kept"``). ``before_later`` runs between the two calls (with the capture on);
+    ``second_stream`` is :func:`launches_disabled`'s."""
     from flashattn import _triton
 
     keys, signature = [], _triton._signature
@@ -111,7 +113,7 @@ def replayed_and_full(run, first: tuple, later: tuple, inputs: tuple, before_lat
     _triton._signature = lambda *a: keys.append(1) or signature(*a)
     try:
         for replay in (True, False):
-            with launches_disabled(capture=True, replay=replay) as fake:
+            with launches_disabled(capture=True, replay=replay, second_stream=second_stream) as fake:
                 run(*first)
                 if before_later is not None:
                     before_later()
@@ -131,13 +133,27 @@ def replayed_and_full(run, first: tuple, later: tuple, inputs: tuple, before_lat
     return out
 
 
+class _Stream:
+    """Stands in for a CUDA stream: its raw handle, and a wait for another stream, which the capture
+    of :class:`_NoLaunch` (when on) keeps as ``("wait", this handle, the other's)``."""
+
+    def __init__(self, handle: int, fake: _NoLaunch):
+        self.cuda_stream, self.fake = handle, fake
+
+    def wait_stream(self, other: "_Stream") -> None:
+        if self.fake.captured is not None:
+            self.fake.captured.append(("wait", self.cuda_stream, other.cuda_stream))
+
+
 @contextlib.contextmanager
-def launches_disabled(capture: bool = False, replay: bool = True):
+def launches_disabled(capture: bool = False, replay: bool = True, second_stream: bool = False):
     """Route float16/bfloat16 CPU tensors to the Triton launchers and make every launch a no-op,
     restoring the package afterwards: each kernel counts as compiled and launches through the
     package's direct launch, whose C calls do nothing (:class:`_NoLaunch`). ``replay`` off
-    forgets every recipe before each launcher call, so each one takes the full path. Refuses to
-    run under TRITON_INTERPRET (the interpreter never takes the compiled-kernel path this replaces)."""
+    forgets every recipe before each launcher call, so each one takes the full path. Streams are
+    stand-ins (:class:`_Stream`: the current one has handle 0); with ``second_stream`` every
+    backward runs dQ on a second one (handle 1), as large problems on a GPU do. Refuses to run
+    under TRITON_INTERPRET (the interpreter never takes the compiled-kernel path this replaces)."""
     from flashattn import _config, _triton, ops
     from flashattn import backward as bwd_mod, forward as fwd_mod
 
@@ -158,18 +174,36 @@ def launches_disabled(capture: bool = False, replay: bool = True):
         def get(self, key, default=None):
             return default
 
+    current, side = [_Stream(0, fake)], _Stream(1, fake)
+
+    @contextlib.contextmanager
+    def stream_context(stream):
+        current.append(stream)
+        try:
+            yield
+        finally:
+            current.pop()
+
     saved = dict(compiled=_triton._COMPILED, device=_triton._current_device, use=ops.use_kernels,
-                 stream=_triton._stream, recipes=_triton._RECIPES, interpreted=_triton._interpreted)
+                 stream=_triton._stream, recipes=_triton._RECIPES, interpreted=_triton._interpreted,
+                 current_stream=_triton._current_stream, stream_context=_triton._stream_context,
+                 second_stream=bwd_mod._second_stream)
     _triton._COMPILED, _triton._RECIPES = Compiled(), ({} if replay else Forgetful())
     _triton._interpreted = lambda kernel: False  # kernels jitted under the interpreter (the tests') count as compiled
     _triton._current_device = lambda: 0
-    _triton._stream = lambda device: 0
+    _triton._stream = lambda device: current[-1].cuda_stream
+    _triton._current_stream = lambda device: current[-1]
+    _triton._stream_context = stream_context
+    if second_stream:
+        bwd_mod._second_stream = lambda q, problem: side
     ops.use_kernels = lambda q: q.dtype in ops.KERNEL_DTYPES
     try:
         yield fake
     finally:
         _triton._COMPILED, _triton._RECIPES = saved["compiled"], saved["recipes"]
         _triton._current_device, _triton._stream = saved["device"], saved["stream"]
+        _triton._current_stream, _triton._stream_context = saved["current_stream"], saved["stream_context"]
+        bwd_mod._second_stream = saved["second_stream"]
         _triton._interpreted = saved["interpreted"]
         ops.use_kernels = saved["use"]
 

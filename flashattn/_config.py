@@ -229,12 +229,13 @@ def tuning(*, fwd: KernelConfig | None = None, bwd_dkdv: KernelConfig | None = N
 # The dQ kernel in Gluon (flashattn.hopper_bwd.dq) made the D = 128 backward 1-8% faster in an A/B
 # and D = 64 3-10% slower (tuning log "A dQ kernel in Gluon"), so it runs at D = 128 only.
 GLUON_HEAD_DIMS = {"fwd": (128, 256), "bwd_dkdv": (128,), "bwd_dq": (128,)}
-# B * Hq * N * M * D below which the portable kernels run. A Gluon launch takes the launcher's direct
-# path but no recipe replays it, and the six descriptors of the Gluon dK/dV launch are made afresh at
-# every call: measured on an H200 (bf16, D = 128, tuning log "Gluon kernels dispatched"), forward +
-# backward at 2^34 (B * H = 128, N = 1024) took 1204 us with them against 1065 us without, though
-# each of their kernels was faster, and at 2^35 (B * H = 64, N = 2048) 1229 against 1313 us. Every
-# cell of the benchmark grid (16k tokens, 2048 hidden) from N = 1024 up is at or above it.
+# B * Hq * N * M * D below which the portable kernels run. Set when a Gluon launch was never replayed
+# and made its descriptors afresh at every call: measured then on an H200 (bf16, D = 128, tuning log
+# "Gluon kernels dispatched"), forward + backward at 2^34 (B * H = 128, N = 1024) took 1204 us with
+# them against 1065 us without, though each of their kernels was faster, and at 2^35 (B * H = 64,
+# N = 2048) 1229 against 1313 us. Repeated calls now replay Gluon launches too (flashattn._triton.Recipe);
+# the bar has not been measured again since. Every cell of the benchmark grid (16k tokens, 2048
+# hidden) from N = 1024 up is at or above it.
 GLUON_MIN_WORK = 2**35
 _GLUON: dict = {}  # (kernel, problem, device index) -> whether the Gluon kernel runs it
 

@@ -433,16 +433,17 @@ class _Step:
     descriptor of a tensor, a seed half. A replay copies the list, fills those places and makes the
     one C call."""
 
-    __slots__ = ("direct", "c_launch", "fill", "template", "tensors", "descriptors", "free")
+    __slots__ = ("direct", "c_launch", "fill", "template", "tensors", "descriptors", "free", "side")
 
     STREAM = 3  # where the stream goes in the C launcher's arguments (see _DirectLaunch.launch_flat)
 
     @classmethod
-    def bind(cls, direct: "_DirectLaunch", grid: tuple, args: tuple, roles: tuple, free: tuple, positions):
+    def bind(cls, direct: "_DirectLaunch", grid: tuple, args: tuple, roles: tuple, free: tuple, positions,
+             side=None):
         """The step that repeats ``direct``'s launch of ``args`` with other tensors in the same
-        ``roles`` and other per-call integers ``free``, or None when an argument tensor (or a
-        descriptor's) is not one of the roles, or the kernel's unspecialized arguments (at
-        ``positions``) are not ``free`` in order."""
+        ``roles`` and other per-call integers ``free``, on the stream ``side`` (None: the current
+        stream), or None when an argument tensor (or a descriptor's) is not one of the roles, or the
+        kernel's unspecialized arguments (at ``positions``) are not ``free`` in order."""
         def role(x):
             for i, r in enumerate(roles):
                 if r is x:
@@ -480,7 +481,7 @@ class _Step:
         self = object.__new__(cls)
         self.direct, self.c_launch, self.fill = direct, direct.c_launch, direct.fill
         self.template, self.tensors = template, tuple(tensors)
-        self.descriptors, self.free = tuple(descriptors), tuple(frees)
+        self.descriptors, self.free, self.side = tuple(descriptors), tuple(frees), side
         return self
 
     def __call__(self, stream: int, pointers: list, filled: list, free: tuple) -> None:
@@ -505,24 +506,33 @@ class Recording:
     """The launches of one launcher call, which :func:`launch` fills in as it goes: what
     :meth:`keep` turns into the :class:`Recipe` that repeats the call for the next tensors."""
 
-    __slots__ = ("key", "steps", "complete")
+    __slots__ = ("key", "steps", "complete", "side", "scratch")
 
     def __init__(self, key):
         self.key, self.steps, self.complete = key, [], True
+        self.side = None  # the stream the launches being added go to, when not the current one (on_stream)
+        self.scratch = []  # tensors the call allocated zeroed for its kernels (add_scratch)
 
     def add(self, kernel, direct, grid: tuple, args: tuple) -> None:
-        self.steps.append((kernel, direct, grid, args))
+        self.steps.append((kernel, direct, grid, args, self.side))
+
+    def add_scratch(self, x: torch.Tensor) -> None:
+        """``x`` was allocated by the call and zeroed (a counter its kernels share): a replay allocates
+        and zeroes its own."""
+        self.scratch.append(x)
 
     def keep(self, inputs: tuple, outputs: tuple, free: tuple = (), shared: tuple = ()) -> None:
         """Remember the call as a recipe: ``inputs`` are the tensors (or None) it was given, in the
         order :func:`replay` will get them, ``outputs`` the tensors it allocated, ``free`` the
         per-call integers, in the kernels' order (the dropout seed's halves). Kept only when every
-        launch went through a direct launch and every argument tensor is one of these.
+        launch went through a direct launch and every argument tensor is one of these (or of the
+        call's scratch).
 
         A tensor in two roles binds both slots to the first of them, which is right only for calls
         that pass one tensor in the same roles: the inputs at positions ``shared`` may be one tensor
         because the key records which of them are; any other tensor in two roles keeps no recipe."""
-        roles = (*inputs, *outputs)
+        allocated = (*outputs, *self.scratch)
+        roles = (*inputs, *allocated)
         tensors = [x for x in roles if x is not None]
         others = [id(x) for i, x in enumerate(roles) if x is not None and i not in shared]
         if (not self.complete or any(x.data_ptr() & 15 for x in tensors) or len(set(others)) < len(others)
@@ -531,31 +541,97 @@ class Recording:
         if len(_RECIPES) > 4096:  # many distinct lengths: start over rather than grow without bound
             _RECIPES.clear()
         steps = []
-        for kernel, direct, grid, args in self.steps:
-            step = _Step.bind(direct, grid, args, roles, free, _unspecialized(kernel))
+        for entry in self.steps:
+            if not isinstance(entry, tuple):  # a stream switch (fork, join)
+                steps.append(entry)
+                continue
+            kernel, direct, grid, args, side = entry
+            step = _Step.bind(direct, grid, args, roles, free, _unspecialized(kernel), side)
             if step is None:
                 _RECIPES[self.key] = None  # this key's calls always take the launchers' own path
                 return
             steps.append(step)
-        layouts = tuple((tuple(x.shape), x.stride(), x.dtype) for x in outputs)
-        _RECIPES[self.key] = Recipe(tuple(steps), layouts, outputs[0].device)
+        layouts = tuple((tuple(x.shape), x.stride(), x.dtype) for x in allocated)
+        _RECIPES[self.key] = Recipe(tuple(steps), layouts, len(outputs), allocated[0].device)
+
+
+class _Fork:
+    """A stream switch of a recipe: ``side`` waits for the work queued so far on the current stream."""
+
+    __slots__ = ("side",)
+
+    def __init__(self, side):
+        self.side = side
+
+    def __call__(self, device: torch.device) -> None:
+        self.side.wait_stream(_current_stream(device))
+
+
+class _Join(_Fork):
+    """A stream switch of a recipe: the current stream waits for the work queued so far on ``side``."""
+
+    __slots__ = ()
+
+    def __call__(self, device: torch.device) -> None:
+        _current_stream(device).wait_stream(self.side)
+
+
+def fork(side, record: Recording | None = None) -> None:
+    """Let the stream ``side`` (of the current device) start after the work queued so far on the
+    current stream; a ``record`` replays the same wait."""
+    switch = _Fork(side)
+    switch(_current_device())
+    if record is not None:
+        record.steps.append(switch)
+
+
+def join(side, record: Recording | None = None) -> None:
+    """Make the current stream wait for the work queued so far on ``side``: whatever runs after this
+    call (and any reuse of its tensors' memory) starts after ``side``'s kernels; recorded likewise."""
+    switch = _Join(side)
+    switch(_current_device())
+    if record is not None:
+        record.steps.append(switch)
+
+
+@contextlib.contextmanager
+def on_stream(side, record: Recording | None = None):
+    """Launch on the stream ``side`` inside the block; a ``record`` notes which launches went there."""
+    with _stream_context(side):
+        if record is not None:
+            record.side = side
+        try:
+            yield
+        finally:
+            if record is not None:
+                record.side = None
+
+
+def _current_stream(device):
+    return torch.cuda.current_stream(device)
+
+
+def _stream_context(stream):
+    return torch.cuda.stream(stream)
 
 
 class Recipe:
-    """A launcher call kept for repeating: the outputs to allocate and the launches to make, each with
-    its arguments expanded once. Replaying it costs the allocations, one TMA descriptor fill per
-    described tensor and the C launches; no config lookup, descriptor object, cache key or argument
-    binding."""
+    """A launcher call kept for repeating: the tensors to allocate and the launches to make, each with
+    its arguments expanded once, and the stream switches between them. Replaying it costs the
+    allocations, one TMA descriptor fill per described tensor, the C launches and the switches; no
+    config lookup, descriptor object, cache key or argument binding."""
 
-    __slots__ = ("steps", "layouts", "device", "fills")
+    __slots__ = ("steps", "layouts", "n_outputs", "device", "fills")
 
-    def __init__(self, steps: tuple, layouts: tuple, device: torch.device):
-        self.steps, self.layouts, self.device = steps, layouts, device
+    def __init__(self, steps: tuple, layouts: tuple, n_outputs: int, device: torch.device):
+        self.steps, self.layouts, self.n_outputs, self.device = steps, layouts, n_outputs, device
         # One TMA descriptor per distinct (tensor, tile): the backward's two kernels often read q, k,
         # v and dO in the same tiles. A launch copies its descriptors into the kernel's parameters, so
         # two launches may share one.
         fills, index = [], {}
         for step in steps:
+            if not isinstance(step, _Step):
+                continue
             numbered = []
             for position, role, args in step.descriptors:
                 # (the block, shape and strides are lists, as the fill takes them)
@@ -568,21 +644,27 @@ class Recipe:
         self.fills = tuple(fills)
 
     def __call__(self, inputs: tuple, free: tuple):
-        if not self.steps[0].direct.unhooked():
+        first = next(step for step in self.steps if isinstance(step, _Step))
+        if not first.direct.unhooked():
             return None
         pointers = [0 if x is None else x.data_ptr() for x in inputs]
         for pointer in pointers:
             if pointer & 15:
                 return None  # recorded with aligned inputs: a misaligned one takes the launchers' own path
-        device = self.device
-        outputs = tuple(torch.empty_strided(shape, stride, dtype=dtype, device=device)
-                        for shape, stride, dtype in self.layouts)
-        pointers += [x.data_ptr() for x in outputs]
+        device, n = self.device, self.n_outputs
+        allocated = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                     for shape, stride, dtype in self.layouts]
+        for scratch in allocated[n:]:
+            scratch.zero_()
+        pointers += [x.data_ptr() for x in allocated]
         stream = _stream(device.index)
         filled = [fill(pointers[i], *args) for fill, i, args in self.fills]
         for step in self.steps:
-            step(stream, pointers, filled, free)
-        return outputs
+            if isinstance(step, _Step):
+                step(stream if step.side is None else step.side.cuda_stream, pointers, filled, free)
+            else:
+                step(device)
+        return tuple(allocated[:n])
 
 
 _RECIPES: dict = {}  # a launcher call's key -> its Recipe, or None where its calls cannot be replayed

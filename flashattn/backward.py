@@ -35,6 +35,9 @@ from flashattn._triton import (
     interpreter_needs_float32,
     launch,
     dropout_keep,
+    fork,
+    join,
+    on_stream,
     packed_tile,
     program_tile,
     recording,
@@ -433,18 +436,21 @@ OVERLAP_MIN_WORK = 2**34  # B * Hq * N * M * D below which dQ runs after dK/dV o
 
 def worth_a_second_stream(problem: Problem) -> bool:
     """Whether running dQ beside dK/dV can gain anything: only when the kernels take long enough
-    (about 0.5 ms of backward at 2^34) for a ragged last wave to matter and to hide the host work of
-    a call that is not replayed. A shorter call is bound by the host: the second stream's call takes
-    the launchers' full path and two stream switches, which cost it more than the overlap gives back."""
+    (about 0.5 ms of backward at 2^34) for a ragged last wave to matter. A shorter call is bound by
+    the host, and the two stream switches cost it more than the overlap gives back."""
     p = problem
     rows, keys = (p.total_q, p.m) if p.varlen else (p.batch * p.n, p.m)  # varlen: m is the longest sequence's
     return rows * p.heads_q * keys * p.head_dim >= OVERLAP_MIN_WORK
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+def _second_stream(q: torch.Tensor, problem: Problem) -> torch.cuda.Stream | None:
+    """The stream that runs dQ beside dK/dV on q's device, or None where dQ follows dK/dV on the
+    current stream (small problems, a CPU tensor, a tuning with the overlap off)."""
+    if not (_config.current_tuning().overlap_dq and q.is_cuda and worth_a_second_stream(problem)):
+        return None
+    if q.device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[q.device] = torch.cuda.Stream(q.device)
+    return _SIDE_STREAMS[q.device]
 
 
 # --8<-- [start:bwd-launch]
@@ -463,22 +469,21 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
                                    alibi_slopes, seed, packing)
         return tuple(g.to(q.dtype) for g in grads)
     p = problem
-    # A repeated call replays the first one's launches with its own tensors (as in the forward). With
-    # the second stream for dQ (large problems only) every call takes the full path.
-    overlap = _config.current_tuning().overlap_dq and q.is_cuda and worth_a_second_stream(p)
-    key = None if p.varlen or overlap else (
+    # A repeated call replays the first one's launches with its own tensors (as in the forward),
+    # the stream switches of dQ's second stream (large problems only) included.
+    side = _second_stream(q, p)
+    key = None if p.varlen else (
         p, q.device, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(), lse.stride(),
         dlse is not None and dlse.stride(), alibi_slopes is not None and alibi_slopes.dim(),
-        (k is q, v is q, v is k))
+        (k is q, v is q, v is k), side is not None)
     inputs, free = (do, q, k, v, o, lse, dlse, alibi_slopes), seed_halves(p, seed)
     replayed = replay(key, inputs, free)
     if replayed is not None:
         return replayed[:3]
-    # dK/dV by the Hopper kernel in Gluon (large plain problems on sm_90, _config.gluon_kernel): a
-    # recipe does not record its launch, so such a call is never recorded and always takes this path
+    # dK/dV and dQ by the Hopper kernels in Gluon (large plain problems on sm_90, _config.gluon_kernel)
     gluon_dkdv = not p.varlen and _config.gluon_kernel("bwd_dkdv", p, q.device)
     gluon_dq = not p.varlen and _config.gluon_kernel("bwd_dq", p, q.device)
-    record = None if gluon_dkdv or gluon_dq else recording(key)
+    record = recording(key)
     if p.varlen:
         dq, dk, dv = dense_like(q), dense_like(k), dense_like(v)
         if p.total_q == 0 or p.total_k == 0:  # no query sees a key: every gradient is zero
@@ -512,7 +517,7 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
 
     def run_dkdv(plan: _config.Plan | None, record=None):
         if plan is None:  # the Hopper kernel in Gluon, whose tiles are its own
-            hopper_bwd.dkdv(q, k, v, do, lse2, delta, dk_view, dv_view, p.causal, p.scale)
+            hopper_bwd.dkdv(q, k, v, do, lse2, delta, dk_view, dv_view, p.causal, p.scale, record=record)
             return
         cfg = plan.config
         offsets = tile_offsets(cu_k, cfg.block_n) if p.varlen else delta
@@ -527,7 +532,7 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
 
     def run_dq(plan: _config.Plan | None, record=None):
         if plan is None:  # the Hopper kernel in Gluon
-            hopper_bwd.dq(q, k, v, do, lse2, delta, dq_view, p.causal, p.scale)
+            hopper_bwd.dq(q, k, v, do, lse2, delta, dq_view, p.causal, p.scale, record=record)
             return
         cfg = plan.config
         offsets = tile_offsets(cu_q, cfg.block_m) if p.varlen else delta
@@ -547,21 +552,20 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
             "bwd_dkdv", p, device, lambda c: run_dkdv(_config.plan_for("bwd_dkdv", p, device, c)))
         plan_dq = None if gluon_dq else _config.plan(
             "bwd_dq", p, device, lambda c: run_dq(_config.plan_for("bwd_dq", p, device, c)))
-    if overlap:
+    if side is not None:
         # The two kernels read the same inputs and write disjoint outputs, so they may run side by
         # side: on a second stream the dQ programs fill the SMs that the last wave of dK/dV leaves
         # idle. The current stream waits for the side stream before anything after this call runs,
         # so every tensor used here stays alive and unchanged until both kernels are done.
-        main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
-        side.wait_stream(main)  # delta is written
-        run_dkdv(plan_dkdv)
-        with torch.cuda.stream(side):
-            run_dq(plan_dq)
-        main.wait_stream(side)
+        fork(side, record)  # delta is written
+        run_dkdv(plan_dkdv, record)
+        with on_stream(side, record):
+            run_dq(plan_dq, record)
+        join(side, record)
     else:
         run_dkdv(plan_dkdv, record)
         run_dq(plan_dq, record)
-        if record is not None:
-            record.keep(inputs, (dq, dk, dv, delta, lse2), free, shared=(1, 2, 3))  # q, k, v, as in the key
+    if record is not None:
+        record.keep(inputs, (dq, dk, dv, delta, lse2), free, shared=(1, 2, 3))  # q, k, v, as in the key
     return dq, dk, dv
 # --8<-- [end:bwd-launch]

@@ -261,11 +261,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem
     replayed = replay(key, inputs, free)
     if replayed is not None:
         return replayed
+    record = recording(key)
     if not p.varlen and _config.gluon_kernel("fwd", p, q.device):
         # the Hopper forward in Gluon (large plain problems on sm_90, flashattn._config.gluon_kernel);
-        # never recorded, so no recipe ever stands for it; it makes its inputs TMA-readable itself
-        return hopper_fwd.forward(q, k, v, p.causal, p.scale, out=dense_like(q))
-    record = recording(key)
+        # it makes its inputs TMA-readable itself (a copy it makes is no input: then nothing is kept)
+        o, lse = hopper_fwd.forward(q, k, v, p.causal, p.scale, out=dense_like(q), record=record)
+        if record is not None:
+            record.keep(inputs, (o, lse), free, shared=(0, 1, 2))
+        return o, lse
     if p.varlen:
         o = dense_like(q)
         lse = torch.empty((p.heads_q, p.total_q), dtype=torch.float32, device=q.device)

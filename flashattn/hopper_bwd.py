@@ -250,12 +250,12 @@ def available() -> bool:
 
 
 def dkdv(q, k, v, do, lse2, delta, dk, dv, causal: bool, scale: float, stages: int | None = None,
-         overlap: bool | None = None) -> None:
+         overlap: bool | None = None, record=None) -> None:
     """Fill ``dk`` and ``dv`` (laid out like k and v, head dim contiguous) for plain attention.
 
     q, do (B, Hq, N, D); k, v (B, Hkv, M, D), float16 or bfloat16, head dim contiguous and 16-byte
     aligned strides (TMA); ``lse2`` and ``delta`` float32 contiguous (B, Hq, N) from the backward's
-    preprocess kernel; ``scale`` > 0 is the softmax scale."""
+    preprocess kernel; ``scale`` > 0 is the softmax scale. A ``record`` keeps the launch for a recipe."""
     from flashattn._triton import ceil_div
     from flashattn.constants import LOG2E
 
@@ -272,7 +272,8 @@ def dkdv(q, k, v, do, lse2, delta, dk, dv, causal: bool, scale: float, stages: i
                        Hq, Hkv, Hq // Hkv, N, M, float(scale) * LOG2E, float(scale)),
                       dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages or STAGES, CAUSAL=bool(causal),
                            OVERLAP=OVERLAP if overlap is None else bool(overlap),
-                           PRODUCER_REGS=hopper_fwd.PRODUCER_REGS, CONSUMER_REGS=hopper_fwd.CONSUMER_REGS))
+                           PRODUCER_REGS=hopper_fwd.PRODUCER_REGS, CONSUMER_REGS=hopper_fwd.CONSUMER_REGS),
+                      record=record)
 
 
 # dQ in Gluon: one CTA per 128 query rows of one (batch, query head), built like the forward (two
@@ -450,10 +451,11 @@ def dq_available() -> bool:
 
 
 def dq(q, k, v, do, lse2, delta, dq_out, causal: bool, scale: float, block_n: int | None = None,
-       stages: int | None = None) -> None:
+       stages: int | None = None, record=None) -> None:
     """Fill ``dq_out`` (laid out like q, head dim contiguous) for plain attention; the inputs are those
     of :func:`dkdv`. The backward runs it where ``flashattn._config.gluon_kernel("bwd_dq", ...)``
-    says so: large plain problems at D = 128 (tuning log, "A dQ kernel in Gluon" and "Run 25")."""
+    says so: large plain problems at D = 128 (tuning log, "A dQ kernel in Gluon" and "Run 25"). A
+    ``record`` keeps the launch for a recipe."""
     from flashattn._triton import ceil_div
     from flashattn.constants import LOG2E
 
@@ -471,4 +473,5 @@ def dq(q, k, v, do, lse2, delta, dq_out, causal: bool, scale: float, block_n: in
                        describe(do, hopper_fwd.HALF_M), describe(dq_out, hopper_fwd.HALF_M), lse2, delta,
                        Hq, Hq // Hkv, N, M, float(scale) * LOG2E, float(scale)),
                       dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages or DQ_STAGES, CAUSAL=bool(causal),
-                           PRODUCER_REGS=hopper_fwd.PRODUCER_REGS, CONSUMER_REGS=hopper_fwd.CONSUMER_REGS))
+                           PRODUCER_REGS=hopper_fwd.PRODUCER_REGS, CONSUMER_REGS=hopper_fwd.CONSUMER_REGS),
+                      record=record)

@@ -673,19 +673,21 @@ def _shared_layout(rows: int, head_dim: int, dtype):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gdt)
 
 
-def launch(kernel, grid: int, args: tuple, constexprs: dict, warps: int = 4) -> None:
+def launch(kernel, grid: int, args: tuple, constexprs: dict, warps: int = 4, record=None) -> None:
     """Launch a Gluon kernel of this module or :mod:`flashattn.hopper_bwd` through the package's
     launcher (:func:`flashattn._triton.launch`): after its first call with a signature, the compiled
     kernel is called directly, without ``kernel[grid](...)``'s binding and specialization of every
-    argument (which costs a Gluon launch about 140 µs of host time on an H200 host)."""
+    argument (which costs a Gluon launch about 140 µs of host time on an H200 host). A ``record``
+    (:class:`flashattn._triton.Recording`) keeps the launch for the recipe of the launcher call."""
     from flashattn._triton import launch as launch_compiled
 
-    launch_compiled(kernel, grid, args, constexprs, dict(num_warps=warps, maxnreg=MAXNREG))
+    launch_compiled(kernel, grid, args, constexprs, dict(num_warps=warps, maxnreg=MAXNREG), record)
 
 
 def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong: bool | None = None,
             block_n: int | None = None, stages: int | None = None, out=None, persistent: bool | None = None,
-            dynamic: bool | None = None, section: int | None = None, q_buffers: int | None = None):
+            dynamic: bool | None = None, section: int | None = None, q_buffers: int | None = None,
+            record=None):
     """FlashAttention forward on Hopper: returns (o, lse) with o like q and lse float32 (B, Hq, N).
 
     ``scale`` defaults to 1/sqrt(D). The rest are tuning knobs: ``pingpong``, ``block_n`` and
@@ -697,7 +699,8 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     launch, 1 otherwise). ``q_buffers`` (1 or 2) is how many tiles' Q a persistent CTA holds: with
     two the producer loads the next tile's Q while the consumers finish this one (default
     :func:`q_buffers_default`; a CTA of one tile holds one). ``out``, when given, receives o: any (B, Hq, N, D) tensor of q's dtype
-    whose head dim is contiguous, such as one laid out like q."""
+    whose head dim is contiguous, such as one laid out like q. A ``record``
+    (:class:`flashattn._triton.Recording`) keeps the launch, and the tile counter as scratch."""
     import torch
 
     from flashattn._config import _sm_count
@@ -750,11 +753,13 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     # A dynamic walk's tile counter, zeroed per call (a memset), so that calls on different streams,
     # or replays of a captured graph, never share one.
     counter = torch.zeros(1, device=q.device, dtype=torch.int32) if dynamic else lse
+    if dynamic and record is not None:
+        record.add_scratch(counter)
     launch(kernel, ctas,
            (q_desc, k_desc, v_desc, o_desc, lse, counter, B * Hq, Hq, Hq // Hkv, N, M, section,
             float(scale) * LOG2E),
            dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), DYNAMIC=dynamic,
                 PINGPONG=bool(pingpong), PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS,
-                QBUFS=q_buffers))
+                QBUFS=q_buffers), record=record)
     return o, lse
 

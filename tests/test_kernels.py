@@ -605,6 +605,7 @@ REPLAY_CASES = [
     (1, 2, 2, 48, 48, 32, "bhnd", dict(causal=True), "aliased"),  # q, k and v one tensor
     (1, 2, 2, 48, 48, 32, "bhnd", dict(causal=True), "fresh after aliased"),  # an aliased call's recipe is not it
     (1, 2, 2, 48, 48, 32, "bhnd", dict(), "misaligned"),  # q starts 2 bytes past a 16-byte boundary
+    (1, 4, 2, 37, 53, 24, "bhnd", dict(causal=True), "two streams"),  # dQ beside dK/dV, as large problems run
 ]
 
 
@@ -642,14 +643,22 @@ def test_replayed_launches_are_the_full_paths(monkeypatch, b, h_q, h_kv, n, m, d
         o, lse = attention_forward(q, k, v, problem, extra["slopes"], extra["seed"])
         attention_backward(extra["do"], q, k, v, o, lse, problem, extra["dlse"], extra["slopes"], extra["seed"])
 
+    two_streams = second == "two streams"
     first = make(11, "aliased" if second == "fresh after aliased" else "fresh")
-    later = make(2**40 + 12345, second.split()[0])  # another seed in both 31-bit halves
+    later = make(2**40 + 12345, "fresh" if two_streams else second.split()[0])  # another seed in both 31-bit halves
     inputs = (*later[:3], later[3]["do"], later[3]["dlse"], later[3]["slopes"])
     # "aliased": a call with q, k and v one tensor (after a fresh first call) records its own recipes,
     # and the later such call replays them; "fresh after aliased": a call of three tensors finds only
     # the recipes of an aliased call, whose k and v slots are q's, and takes the full path
-    got = hostcost.replayed_and_full(run, first, later, inputs,
+    got = hostcost.replayed_and_full(run, first, later, inputs, second_stream=two_streams,
                                      before_later=(lambda: run(*make(3, "aliased"))) if second == "aliased" else None)
+    if two_streams:  # the side stream (1) waits for the current one (0) before dQ, the current one for it after
+        streams = [row[0][1] if row[0][0] is str else row[3][1] for row in got[False]]
+        assert streams == [0, 0, "wait", 0, 1, "wait"]
+        assert got[False][2] == [(str, "wait"), (int, 1), (int, 0)] and got[False][5] == [(str, "wait"), (int, 0), (int, 1)]
+        assert got[True] == got[False]
+        for path in (True, False):
+            got[path] = [row for row in got[path] if row[0][0] is not str]
     assert len(got[True]) == len(got[False]) == 4  # forward, preprocess, dK/dV, dQ
     assert len(got["kept"]) == (4 if "aliased" in second else 2)  # the forward's and the backward's, per key
     full_path = second in ("misaligned", "fresh after aliased")
@@ -711,8 +720,9 @@ def _launches_a_hook_sees(fn) -> int:
 def test_gpu_replayed_calls_match_the_full_path(monkeypatch):
     """Calls repeated from their recipes (flashattn._triton.Recipe) give bitwise the outputs and
     gradients of the full launch path, in the settings of the direct-launch test plus ALiBi and a
-    gradient of the LSE, with another dropout seed on every call; a replayed call makes no cache key;
-    and while a launch hook is set the call takes Triton's path, so the hook sees its launch."""
+    gradient of the LSE, with another dropout seed on every call, and large calls whose backward runs
+    dQ on a second stream and whose kernels are the Gluon ones on an H200; a replayed call makes no
+    cache key; and while a launch hook is set the call takes Triton's path, so the hook sees its launch."""
     from flashattn import _triton
 
     class NeverKept(dict):
@@ -723,7 +733,12 @@ def test_gpu_replayed_calls_match_the_full_path(monkeypatch):
              ((1, 8, 2, 128, 513, 40), dict(causal=True), "bhnd"),
              ((2, 4, 4, 257, 100, 128), dict(window=(32, 8)), "bnhd"),
              ((1, 4, 4, 200, 200, 96), dict(causal=True, dropout_p=0.2, softcap=20.0), "bhnd"),
-             ((2, 4, 2, 256, 320, 256), dict(causal=True, alibi=True), "bnhd")]
+             ((2, 4, 2, 256, 320, 256), dict(causal=True, alibi=True), "bnhd"),
+             # large enough for dQ's second stream and, on an H200, the Gluon kernels: the causal
+             # forward's tile counter is scratch a replay zeroes, the plain one's walk is static
+             ((16, 16, 16, 1024, 1024, 128), dict(causal=True), "bhnd"),
+             ((16, 16, 4, 1024, 1024, 128), dict(), "bnhd"),
+             ((4, 8, 8, 2048, 2048, 256), dict(causal=True), "bhnd")]
     for shape, kw, layout in cases:
         q, k, v, do = _inputs(*shape, torch.bfloat16, layout=layout, seed=31)
         gen = torch.Generator(device=q.device).manual_seed(1)
