@@ -305,12 +305,39 @@ def get_config(kernel: str, problem: Problem, device: torch.device) -> KernelCon
         return pinned[kernel]
     if is_interpreter() or device.type != "cuda":
         return _INTERPRETER[kernel]
-    major, _ = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, _ = _capability(index)
     if major != 9:
-        entry = _DEFAULT[(kernel, problem.block_d)]
-    else:
-        entry = sm90_entry(kernel, problem.block_d, dropout=problem.dropout_p > 0, window=problem.window is not None)
-    return resolve(entry, problem.causal, problem.n)
+        return resolve(_DEFAULT[(kernel, problem.block_d)], problem.causal, problem.n)
+    p = problem
+    cfg = resolve(sm90_entry(kernel, p.block_d, dropout=p.dropout_p > 0, window=p.window is not None), p.causal, p.n)
+    small = _SM90_SMALL_GRID.get((kernel, p.block_d))
+    if small is not None and not (p.dropout_p or p.window is not None or p.varlen):
+        # programs of the table's tile: per key block of a K/V head (dK/dV), per query block of a
+        # query head (forward, dQ), as plan_for lays them out
+        blocks, heads = (-(-p.m // cfg.block_n), p.heads_kv) if kernel == "bwd_dkdv" else (-(-p.n // cfg.block_m), p.heads_q)
+        share, tile = small
+        if blocks * p.batch * heads < share * _sm_count(index):
+            return tile
+    return cfg
+
+
+# Hopper tiles for grids that leave SMs idle, keyed like _SM90: (the share of the SMs below which
+# the table tile's programs count as few, the tile then used). At B * H = 16, N = 512 the D = 128
+# table tiles make 64 programs for 132 SMs; 64 x 64 tiles took 10.2-10.4 us of forward against
+# 14.1-16.0, and 25.3-25.8 us of backward against 36.9-38.2 (bfloat16, CUDA graphs, H200; tuning
+# log "Tiles for small grids"). The forward's rule goes up to a full wave (its 64-row tiles also won
+# at N = 1024, B * H = 16: 19.3-21.4 against 24.7-26.2 us), the backward's to half a wave (at 128
+# programs for 132 SMs, N = 1024, its table tiles won without a mask). At D <= 64 the forward's
+# tiles have 64 rows already (its 64 x 64 tile lost to the table's 64 x 128 at N = 512), and only
+# dQ's 128-row tile is swapped (22.4 -> 19.6 us at N = 512 without a mask). D = 256: not measured.
+_SMALL_BWD = (0.5, KernelConfig(64, 64, 4, 3))
+_SM90_SMALL_GRID = {
+    ("fwd", 128): (1.0, KernelConfig(64, 64, 4, 2)),
+    ("bwd_dkdv", 128): _SMALL_BWD,
+    ("bwd_dq", 128): _SMALL_BWD,
+    **{("bwd_dq", block_d): _SMALL_BWD for block_d in (16, 32, 64)},
+}
 
 
 def resolve(entry, causal: bool, n: int | None) -> KernelConfig:

@@ -329,6 +329,7 @@ def test_hopper_table_picks_the_forward_tile_by_variant(monkeypatch):
         return get("fwd", d, causal, n, **variants)
 
     monkeypatch.setattr(_config, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(_config, "_sm_count", lambda index: 132)  # 256 programs and more here: a full grid
     one_warpgroup, two_warpgroups = _config.KernelConfig(128, 64, 4, 2), _config.KernelConfig(128, 128, 8, 3)
     small = _config.KernelConfig(64, 64, 4, 2)
     assert fwd(128) == fwd(128, causal=True) == one_warpgroup
@@ -359,6 +360,50 @@ def test_hopper_table_picks_the_forward_tile_by_variant(monkeypatch):
     assert fwd(128) == fwd(128, dropout_p=0.1) == _config._DEFAULT[("fwd", 128)]
 
 
+def test_small_grids_take_smaller_tiles_on_hopper(monkeypatch):
+    """Where the table tile's programs would leave SMs idle (fewer than the SMs for the forward,
+    than half of them for the backward's kernels), the Hopper table gives 64 x 64 tiles: counted per
+    query block of a query head (forward, dQ) or per key block of a K/V head (dK/dV). Not for
+    variants with their own tiles, packed sequences, D = 256, or the D <= 64 forward (64 rows already)."""
+    from flashattn import _config
+
+    monkeypatch.setattr(_config, "is_interpreter", lambda: False)
+    monkeypatch.setattr(_config, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(_config, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+
+    def get(kernel, b, h_q, h_kv, n, d, causal=False, **variants):
+        return _config.get_config(kernel, Problem(b, h_q, h_kv, n, n, d, torch.float16, causal, d ** -0.5, **variants), cuda)
+
+    fwd_small, bwd_small = _config.KernelConfig(64, 64, 4, 2), _config.KernelConfig(64, 64, 4, 3)
+    table = {kernel: _config.resolve(_config._SM90[(kernel, 128)], False, 4096) for kernel in ("fwd", "bwd_dkdv", "bwd_dq")}
+    # forward, 128-row tiles: 8 blocks x 16 heads = 128 < 132 programs; 17 heads make 136
+    assert get("fwd", 1, 16, 16, 1024, 128) == get("fwd", 1, 16, 16, 512, 96, causal=True) == fwd_small
+    assert get("fwd", 1, 17, 17, 1024, 128) == table["fwd"]
+    # backward: 4 blocks x 16 heads = 64 < 66 programs; at N = 1024 128 are too many
+    assert get("bwd_dq", 1, 16, 16, 512, 128) == get("bwd_dkdv", 1, 16, 16, 512, 128) == bwd_small
+    assert get("bwd_dq", 1, 16, 16, 1024, 128) == table["bwd_dq"]
+    assert get("bwd_dkdv", 1, 16, 16, 1024, 128) == table["bwd_dkdv"]
+    # dK/dV counts K/V heads: 32 key blocks x 2 heads under GQA; dQ the 16 query heads (512 programs)
+    assert get("bwd_dkdv", 1, 16, 2, 4096, 128) == bwd_small and get("bwd_dq", 1, 16, 2, 4096, 128) == table["bwd_dq"]
+    # D <= 64: dQ's 128-row tile only; the forward and dK/dV keep the table's
+    assert get("bwd_dq", 1, 16, 16, 512, 64) == get("bwd_dq", 2, 4, 4, 300, 40) == bwd_small
+    assert get("fwd", 1, 16, 16, 512, 64) == _config.KernelConfig(64, 128, 4, 2)
+    assert get("bwd_dkdv", 1, 16, 16, 512, 64, causal=True) == _config.KernelConfig(32, 64, 4, 3)
+    # variants with tiles of their own, and D = 256, keep them
+    assert get("fwd", 1, 2, 2, 512, 128, window=(64, 0)) == _config._SM90_WINDOW[("fwd", 128)]
+    assert get("fwd", 1, 2, 2, 512, 128, dropout_p=0.1) == _config._SM90_DROPOUT[("fwd", 128)]
+    assert get("fwd", 1, 2, 2, 512, 256) == _config._SM90[("fwd", 256)]
+    assert get("bwd_dq", 1, 2, 2, 512, 256) == _config._SM90[("bwd_dq", 256)]
+    # softcap and ALiBi take the table's tiles, so its small-grid tiles too
+    assert get("fwd", 1, 2, 2, 512, 128, softcap=20.0) == get("fwd", 1, 2, 2, 512, 128, alibi=True) == fwd_small
+    # packed sequences keep the fixed table (their problem's n is the longest sequence)
+    packed = Problem(2, 4, 4, 300, 300, 128, torch.float16, True, 0.1, varlen=True, total_q=400, total_k=400)
+    assert _config.get_config("fwd", packed, cuda) == table["fwd"]
+    monkeypatch.setattr(_config, "_capability", lambda index: (8, 0))
+    assert get("fwd", 1, 16, 16, 512, 128) == _config._DEFAULT[("fwd", 128)]
+
+
 def test_every_table_entry_resolves_to_a_launchable_config():
     """Each GPU table entry gives one config per (causal, N); tiles are powers of two and fit the rules."""
     from flashattn import _config
@@ -384,8 +429,10 @@ def test_every_table_entry_resolves_to_a_launchable_config():
 
 # (B, Hq, Hkv, N, M, D, causal, layout, std)
 GPU_CASES = [
-    (2, 8, 8, 1024, 1024, 128, False, "bhnd", 1.0),
+    (2, 8, 8, 1024, 1024, 128, False, "bhnd", 1.0),  # 128 forward programs: the small-grid tiles on an H200
     (2, 8, 8, 1024, 1024, 128, True, "bhnd", 1.0),
+    (4, 16, 4, 1024, 1024, 128, True, "bnhd", 1.0),  # 512: the table's tiles
+    (4, 16, 16, 1024, 1024, 128, False, "bhnd", 1.0),
     (2, 8, 2, 2048, 2048, 64, True, "bnhd", 1.0),  # GQA 4, transposed views
     (1, 4, 4, 8192, 8192, 64, True, "bhnd", 1.0),  # N = M = 8k
     (1, 2, 1, 8192, 8192, 128, False, "bhnd", 1.0),
