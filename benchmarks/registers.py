@@ -70,8 +70,8 @@ def compile_one(fn, dtype, consts, warps, stages):
 
 def jobs(extra=(), dropout: bool = False) -> list[tuple]:
     """(kernel, jit function, D, BLOCK_D, causal, KernelConfig) for every Hopper table entry (at N = 2k and
-    16k, where a :class:`_config.ByLength` entry differs; the dropout entries with ``dropout``), then each
-    ``extra`` config at D = 128, causal."""
+    16k, where a :class:`_config.ByLength` entry differs, and the small-grid tile where one replaces it;
+    the dropout entries with ``dropout``), then each ``extra`` config at D = 128, causal."""
     out = []
     kernels = (("fwd", forward._attn_fwd_kernel), ("bwd_dkdv", backward._bwd_dkdv_kernel),
                ("bwd_dq", backward._bwd_dq_kernel))
@@ -79,7 +79,11 @@ def jobs(extra=(), dropout: bool = False) -> list[tuple]:
         for causal in (False, True):
             for kernel, fn in kernels:
                 entry = _config.sm90_entry(kernel, block_d, dropout=dropout)
-                for cfg in dict.fromkeys(_config.resolve(entry, causal, n) for n in (2048, 16384)):
+                cfgs = [_config.resolve(entry, causal, n) for n in (2048, 16384)]
+                small = None if dropout else _config._SM90_SMALL_GRID.get((kernel, block_d))
+                if small is not None:
+                    cfgs.append(small[1])
+                for cfg in dict.fromkeys(cfgs):
                     out.append((kernel, fn, d, block_d, causal, cfg))
     for bm, bn, w, s, *split in extra:
         for kernel, fn in kernels:

@@ -940,9 +940,15 @@ def test_profile_lists_what_ran(tmp_path):
 
 
 def test_registers_covers_every_table_entry():
+    from flashattn import _config
+
     jobs = registers.jobs()
     assert {(kernel, d, causal) for kernel, _, d, _, causal, _ in jobs} == {
         (kernel, d, causal) for kernel in tune.KERNEL_PASS for d in (16, 64, 72, 128, 256) for causal in (False, True)}
+    compiled = {(kernel, block_d, cfg) for kernel, _, _, block_d, _, cfg in jobs}
+    small = {(kernel, block_d, cfg) for (kernel, block_d), (_, cfg) in _config._SM90_SMALL_GRID.items()
+             if block_d in {b for _, b, _ in compiled}}  # (the head dims it compiles: no BLOCK_D 32)
+    assert len(small) >= 4 and small <= compiled  # the small-grid tiles too
     extra = registers.jobs([(64, 128, 8, 3)])[len(jobs):]
     assert [(kernel, cfg.block_m, cfg.block_n) for kernel, *_, cfg in extra] == [
         (kernel, 64, 128) for kernel in tune.KERNEL_PASS]

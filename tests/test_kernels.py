@@ -408,7 +408,9 @@ def test_every_table_entry_resolves_to_a_launchable_config():
     """Each GPU table entry gives one config per (causal, N); tiles are powers of two and fit the rules."""
     from flashattn import _config
 
-    for table in (_config._SM90, _config._SM90_WINDOW, _config._SM90_DROPOUT, _config._DEFAULT):
+    small_grid = {key: tile for key, (share, tile) in _config._SM90_SMALL_GRID.items() if 0 < share <= 1}
+    assert len(small_grid) == len(_config._SM90_SMALL_GRID)
+    for table in (_config._SM90, _config._SM90_WINDOW, _config._SM90_DROPOUT, _config._DEFAULT, small_grid):
         for (kernel, block_d), entry in table.items():
             for causal in (False, True):
                 for n in (1, 2048, 2049, 16384):
