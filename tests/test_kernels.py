@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flashattn
 from flashattn import _config
@@ -402,6 +404,32 @@ def test_small_grids_take_smaller_tiles_on_hopper(monkeypatch):
     assert _config.get_config("fwd", packed, cuda) == table["fwd"]
     monkeypatch.setattr(_config, "_capability", lambda index: (8, 0))
     assert get("fwd", 1, 16, 16, 512, 128) == _config._DEFAULT[("fwd", 128)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(b=st.integers(1, 8), h_kv=st.integers(1, 32), group=st.sampled_from([1, 2, 4, 8]), n=st.integers(1, 9000),
+       m=st.integers(1, 9000), d=st.sampled_from([16, 32, 40, 64, 72, 96, 128, 160, 256]), causal=st.booleans(),
+       sms=st.sampled_from([78, 114, 132]))
+def test_small_grid_rule_counts_the_programs_plan_for_launches(b, h_kv, group, n, m, d, causal, sms):
+    """The small-grid rule of get_config counts programs as plan_for lays out the table tile's grid:
+    it swaps the tile exactly when that grid is below the kernel's share of the SMs, and the tile it
+    swaps in never makes fewer programs."""
+    from flashattn import _config
+
+    problem = Problem(b, h_kv * group, h_kv, n, m, d, torch.float16, causal, d ** -0.5)
+    cuda = torch.device("cuda", 0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_config, "is_interpreter", lambda: False)
+        mp.setattr(_config, "_capability", lambda index: (9, 0))
+        mp.setattr(_config, "_sm_count", lambda index: sms)
+        for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
+            table = _config.resolve(_config._SM90[(kernel, problem.block_d)], causal, n)
+            small = _config._SM90_SMALL_GRID.get((kernel, problem.block_d))
+            programs = _config.plan_for(kernel, problem, cuda, table).grid
+            swap = small is not None and programs < small[0] * sms
+            got = _config.get_config(kernel, problem, cuda)
+            assert got == (small[1] if swap else table), (kernel, programs)
+            assert _config.plan_for(kernel, problem, cuda, got).grid >= programs
 
 
 def test_every_table_entry_resolves_to_a_launchable_config():
