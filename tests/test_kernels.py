@@ -659,6 +659,46 @@ def test_gpu_cuda_graph_replay_matches_eager(causal, dq_stream, monkeypatch):
         assert torch.equal(got, want)
 
 
+def test_a_recipe_allocates_and_zeroes_its_scratch_at_every_replay(monkeypatch):
+    """Scratch a call recorded (Recording.add_scratch: the Gluon causal forward's tile counter) is
+    allocated again and zeroed at each replay, before the launch that reads it, and is not returned;
+    the outputs are allocated in their recorded layout and not zeroed. Runs on the CPU: the launch is
+    a stand-in that reads the scratch's memory when called (benchmarks.hostcost)."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from benchmarks.hostcost import _NoLaunch
+    from flashattn import _triton
+
+    seen = []
+
+    class Reading(_NoLaunch):
+        def __call__(self, *args):  # the generated launcher's arguments: 12 of its own, then the kernel's
+            super().__call__(*args)
+            seen.append(ctypes.c_int32.from_address(args[-1]).value if isinstance(args[-1], int) else None)
+
+    kernel = SimpleNamespace(arg_names=["inp", "out", "counter"])
+    direct = Reading(capture=True).direct(kernel)
+    monkeypatch.setattr(_triton, "_RECIPES", {})
+    monkeypatch.setattr(_triton, "_stream", lambda device: 0)
+    empty = torch.empty_strided
+    monkeypatch.setattr(torch, "empty_strided", lambda *a, **k: empty(*a, **k).fill_(7))  # stale memory
+
+    inp = torch.randn(4, 8)
+    out, counter = torch.empty(8, 4).t(), torch.zeros(1, dtype=torch.int32)  # a transposed output layout
+    record = _triton.Recording("key")
+    record.add(kernel, direct, (1, 1, 1), (inp, out, counter))
+    record.add_scratch(counter)
+    record.keep((inp,), (out,))
+    recipe = _triton._RECIPES["key"]
+    assert recipe is not None and recipe.n_outputs == 1 and len(recipe.layouts) == 2
+    for _ in range(2):
+        replayed = _triton.replay("key", (torch.randn(4, 8),))
+        assert len(replayed) == 1 and replayed[0].shape == (4, 8) and replayed[0].stride() == (1, 4)
+        assert (replayed[0] == 7).all()  # an output is the kernel's to write: not zeroed
+    assert seen == [0, 0]  # each replay's launch found its counter zeroed
+
+
 def test_direct_launch_only_for_the_launcher_it_knows():
     """The direct launch (flashattn._triton._DirectLaunch) is built only from a compiled kernel whose
     launcher has the layout it was written for; anything else keeps Triton's own launch path. A launch
