@@ -313,9 +313,7 @@ def get_config(kernel: str, problem: Problem, device: torch.device) -> KernelCon
     cfg = resolve(sm90_entry(kernel, p.block_d, dropout=p.dropout_p > 0, window=p.window is not None), p.causal, p.n)
     small = _SM90_SMALL_GRID.get((kernel, p.block_d))
     if small is not None and not (p.dropout_p or p.window is not None or p.varlen):
-        # programs of the table's tile: per key block of a K/V head (dK/dV), per query block of a
-        # query head (forward, dQ), as plan_for lays them out
-        blocks, heads = (-(-p.m // cfg.block_n), p.heads_kv) if kernel == "bwd_dkdv" else (-(-p.n // cfg.block_m), p.heads_q)
+        blocks, heads = _blocks_and_heads(kernel, p, cfg)  # the table tile's programs, as plan_for launches them
         share, tile = small
         if blocks * p.batch * heads < share * _sm_count(index):
             return tile
@@ -409,12 +407,17 @@ class Plan:
     passes: tuple
 
 
+def _blocks_and_heads(kernel: str, problem: Problem, cfg: KernelConfig) -> tuple[int, int]:
+    """Blocks per (batch, head) and heads of ``kernel``'s grid: one program per key block of a
+    key/value head for dK/dV, per query block of a query head otherwise."""
+    if kernel == "bwd_dkdv":
+        return -(-problem.m // cfg.block_n), problem.heads_kv
+    return -(-problem.n // cfg.block_m), problem.heads_q
+
+
 def plan_for(kernel: str, problem: Problem, device: torch.device, cfg: KernelConfig) -> Plan:
     """The :class:`Plan` of ``kernel`` for ``problem`` with the configuration ``cfg``."""
-    if kernel == "bwd_dkdv":  # one program per key block of a key/value head
-        n_blocks, heads = -(-problem.m // cfg.block_n), problem.heads_kv
-    else:  # one program per query block of a query head
-        n_blocks, heads = -(-problem.n // cfg.block_m), problem.heads_q
+    n_blocks, heads = _blocks_and_heads(kernel, problem, cfg)
     constexprs = dict(CAUSAL=problem.causal, HEAD_DIM=problem.head_dim, BLOCK_D=problem.block_d,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       # the variants (flashattn._triton.variant_constexprs), all False for plain attention

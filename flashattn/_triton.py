@@ -621,10 +621,11 @@ class Recipe:
     allocations, one TMA descriptor fill per described tensor, the C launches and the switches; no
     config lookup, descriptor object, cache key or argument binding."""
 
-    __slots__ = ("steps", "layouts", "n_outputs", "device", "fills")
+    __slots__ = ("steps", "layouts", "n_outputs", "device", "fills", "first")
 
     def __init__(self, steps: tuple, layouts: tuple, n_outputs: int, device: torch.device):
         self.steps, self.layouts, self.n_outputs, self.device = steps, layouts, n_outputs, device
+        self.first = next(step for step in steps if isinstance(step, _Step))  # its hooks are every launch's
         # One TMA descriptor per distinct (tensor, tile): the backward's two kernels often read q, k,
         # v and dO in the same tiles. A launch copies its descriptors into the kernel's parameters, so
         # two launches may share one.
@@ -644,8 +645,7 @@ class Recipe:
         self.fills = tuple(fills)
 
     def __call__(self, inputs: tuple, free: tuple):
-        first = next(step for step in self.steps if isinstance(step, _Step))
-        if not first.direct.unhooked():
+        if not self.first.direct.unhooked():
             return None
         pointers = [0 if x is None else x.data_ptr() for x in inputs]
         for pointer in pointers:
