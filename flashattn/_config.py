@@ -229,14 +229,21 @@ def tuning(*, fwd: KernelConfig | None = None, bwd_dkdv: KernelConfig | None = N
 # The dQ kernel in Gluon (flashattn.hopper_bwd.dq) made the D = 128 backward 1-8% faster in an A/B
 # and D = 64 3-10% slower (tuning log "A dQ kernel in Gluon"), so it runs at D = 128 only.
 GLUON_HEAD_DIMS = {"fwd": (128, 256), "bwd_dkdv": (128,), "bwd_dq": (128,)}
-# B * Hq * N * M * D below which the portable kernels run. Set when a Gluon launch was never replayed
-# and made its descriptors afresh at every call: measured then on an H200 (bf16, D = 128, tuning log
-# "Gluon kernels dispatched"), forward + backward at 2^34 (B * H = 128, N = 1024) took 1204 us with
-# them against 1065 us without, though each of their kernels was faster, and at 2^35 (B * H = 64,
-# N = 2048) 1229 against 1313 us. Repeated calls now replay Gluon launches too (flashattn._triton.Recipe);
-# the bar has not been measured again since. Every cell of the benchmark grid (16k tokens, 2048
-# hidden) from N = 1024 up is at or above it.
-GLUON_MIN_WORK = 2**35
+# B * Hq * N * M * D below which the portable kernels run, per (kernel, head dim): (without a mask,
+# causal). Measured on an H200 (bf16, GPU time of each pass in CUDA graphs, Gluon and portable in
+# turns, tuning log "The Gluon bar, again") once repeated calls replayed Gluon launches too
+# (flashattn._triton.Recipe). Gluon over portable time: the D = 128 forward 0.59-1.01x from 2^31 up,
+# 0.94-1.19x at 2^29-2^30 (where the portable kernel takes its small-grid tile); the D = 256 forward
+# 0.71-0.81x from 2^31 up, but at 2^31 the portable small-grid tile took 23.3 us against Gluon's 25.6;
+# the D = 128 backward 0.89-0.92x from 2^32 up without a mask, and with the causal mask 0.83-1.25x at
+# 2^32-2^33 (slower in 8 of 11 readings of 6 shapes) and 0.83-1.00x at 2^34. Every cell of the benchmark grid (16k
+# tokens, 2048 hidden) from N = 1024 up is at 2^35 or more.
+GLUON_MIN_WORK = {
+    ("fwd", 128): (2**31, 2**31),
+    ("fwd", 256): (2**32, 2**32),
+    ("bwd_dkdv", 128): (2**32, 2**34),
+    ("bwd_dq", 128): (2**32, 2**34),
+}
 _GLUON: dict = {}  # (kernel, problem, device index) -> whether the Gluon kernel runs it
 
 
@@ -244,7 +251,7 @@ def gluon_kernel(kernel: str, problem: Problem, device: torch.device) -> bool:
     """Whether the Hopper kernel in Gluon runs ``kernel`` ("fwd", "bwd_dkdv" or "bwd_dq") for ``problem``.
 
     Only plain attention (no variant, no packing) with a positive scale, at a head dim of
-    :data:`GLUON_HEAD_DIMS`, with at least :data:`GLUON_MIN_WORK`, on an sm_90 GPU whose Triton is 3.6
+    :data:`GLUON_HEAD_DIMS`, with at least the work of :data:`GLUON_MIN_WORK`, on an sm_90 GPU whose Triton is 3.6
     (the Gluon the kernels are written for), and never when a :func:`tuning` pins this kernel's tile
     or turns Gluon off. The answer is kept per problem and device."""
     t = _TUNING.get()
@@ -259,7 +266,7 @@ def gluon_kernel(kernel: str, problem: Problem, device: torch.device) -> bool:
         found = _GLUON[key] = (
             kernel in GLUON_HEAD_DIMS and p.head_dim in GLUON_HEAD_DIMS[kernel] and not is_interpreter()
             and not (p.varlen or p.window is not None or p.softcap or p.alibi or p.dropout_p) and p.scale > 0
-            and p.batch * p.heads_q * p.n * p.m * p.head_dim >= GLUON_MIN_WORK
+            and p.batch * p.heads_q * p.n * p.m * p.head_dim >= GLUON_MIN_WORK[(kernel, p.head_dim)][int(p.causal)]
             and _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
             and _gluon_available(kernel))
     return found
@@ -315,7 +322,7 @@ def get_config(kernel: str, problem: Problem, device: torch.device) -> KernelCon
     if small is not None and not (p.dropout_p or p.window is not None or p.varlen):
         blocks, heads = _blocks_and_heads(kernel, p, cfg)  # the table tile's programs, as plan_for launches them
         share, tile = small
-        if blocks * p.batch * heads < share * _sm_count(index):
+        if blocks * p.batch * heads < resolve(share, p.causal, p.n) * _sm_count(index):
             return tile
     return cfg
 
@@ -328,10 +335,15 @@ def get_config(kernel: str, problem: Problem, device: torch.device) -> KernelCon
 # at N = 1024, B * H = 16: 19.3-21.4 against 24.7-26.2 us), the backward's to half a wave (at 128
 # programs for 132 SMs, N = 1024, its table tiles won without a mask). At D <= 64 the forward's
 # tiles have 64 rows already (its 64 x 64 tile lost to the table's 64 x 128 at N = 512), and only
-# dQ's 128-row tile is swapped (22.4 -> 19.6 us at N = 512 without a mask). D = 256: not measured.
+# dQ's 128-row tile is swapped (22.4 -> 19.6 us at N = 512 without a mask). A share may be a
+# (without a mask, causal) pair: the D = 256 forward's 64 x 64 tile took 0.68-0.73x the table tile's
+# time at 32 and 64 programs (13.4-24.0 us against 19.7-34.7), and at 120-128 programs 0.67-0.90x with
+# the causal mask but 1.33-1.41x without (tuning log "The Gluon bar, again"). The D = 256 backward's table tiles
+# beat every smaller tile tried at 32 and 64 programs.
 _SMALL_BWD = (0.5, KernelConfig(64, 64, 4, 3))
 _SM90_SMALL_GRID = {
     ("fwd", 128): (1.0, KernelConfig(64, 64, 4, 2)),
+    ("fwd", 256): ((0.5, 1.0), KernelConfig(64, 64, 4, 2)),
     ("bwd_dkdv", 128): _SMALL_BWD,
     ("bwd_dq", 128): _SMALL_BWD,
     **{("bwd_dq", block_d): _SMALL_BWD for block_d in (16, 32, 64)},

@@ -8,6 +8,8 @@ is at most twice the error PyTorch's own low-precision computation makes, plus a
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -365,8 +367,10 @@ def test_hopper_table_picks_the_forward_tile_by_variant(monkeypatch):
 def test_small_grids_take_smaller_tiles_on_hopper(monkeypatch):
     """Where the table tile's programs would leave SMs idle (fewer than the SMs for the forward,
     than half of them for the backward's kernels), the Hopper table gives 64 x 64 tiles: counted per
-    query block of a query head (forward, dQ) or per key block of a K/V head (dK/dV). Not for
-    variants with their own tiles, packed sequences, D = 256, or the D <= 64 forward (64 rows already)."""
+    query block of a query head (forward, dQ) or per key block of a K/V head (dK/dV). The D = 256
+    forward's share depends on the mask (half the SMs without it, all of them with the causal mask).
+    Not for variants with their own tiles, packed sequences, the D = 256 backward, or the D <= 64
+    forward (64 rows already)."""
     from flashattn import _config
 
     monkeypatch.setattr(_config, "is_interpreter", lambda: False)
@@ -392,11 +396,17 @@ def test_small_grids_take_smaller_tiles_on_hopper(monkeypatch):
     assert get("bwd_dq", 1, 16, 16, 512, 64) == get("bwd_dq", 2, 4, 4, 300, 40) == bwd_small
     assert get("fwd", 1, 16, 16, 512, 64) == _config.KernelConfig(64, 128, 4, 2)
     assert get("bwd_dkdv", 1, 16, 16, 512, 64, causal=True) == _config.KernelConfig(32, 64, 4, 3)
-    # variants with tiles of their own, and D = 256, keep them
+    # variants with tiles of their own, and the D = 256 backward, keep them
     assert get("fwd", 1, 2, 2, 512, 128, window=(64, 0)) == _config._SM90_WINDOW[("fwd", 128)]
     assert get("fwd", 1, 2, 2, 512, 128, dropout_p=0.1) == _config._SM90_DROPOUT[("fwd", 128)]
-    assert get("fwd", 1, 2, 2, 512, 256) == _config._SM90[("fwd", 256)]
-    assert get("bwd_dq", 1, 2, 2, 512, 256) == _config._SM90[("bwd_dq", 256)]
+    assert get("bwd_dq", 1, 2, 2, 512, 256) == _config.resolve(_config._SM90[("bwd_dq", 256)], False, 512)
+    assert get("bwd_dkdv", 1, 2, 2, 512, 256) == _config.resolve(_config._SM90[("bwd_dkdv", 256)], False, 512)
+    # D = 256 forward, 128-row tiles: 8 blocks x 8 heads = 64 < 66 programs either way; 8 x 16 = 128
+    # programs swap only with the causal mask, and 136 (17 heads) never
+    table256 = _config._SM90[("fwd", 256)]
+    assert get("fwd", 1, 8, 8, 1024, 256) == get("fwd", 1, 8, 8, 1024, 256, causal=True) == fwd_small
+    assert get("fwd", 1, 16, 16, 1024, 256) == table256 and get("fwd", 1, 16, 16, 1024, 256, causal=True) == fwd_small
+    assert get("fwd", 1, 17, 17, 1024, 256, causal=True) == table256
     # softcap and ALiBi take the table's tiles, so its small-grid tiles too
     assert get("fwd", 1, 2, 2, 512, 128, softcap=20.0) == get("fwd", 1, 2, 2, 512, 128, alibi=True) == fwd_small
     # packed sequences keep the fixed table (their problem's n is the longest sequence)
@@ -426,7 +436,7 @@ def test_small_grid_rule_counts_the_programs_plan_for_launches(b, h_kv, group, n
             table = _config.resolve(_config._SM90[(kernel, problem.block_d)], causal, n)
             small = _config._SM90_SMALL_GRID.get((kernel, problem.block_d))
             programs = _config.plan_for(kernel, problem, cuda, table).grid
-            swap = small is not None and programs < small[0] * sms
+            swap = small is not None and programs < _config.resolve(small[0], causal, n) * sms
             got = _config.get_config(kernel, problem, cuda)
             assert got == (small[1] if swap else table), (kernel, programs)
             assert _config.plan_for(kernel, problem, cuda, got).grid >= programs
@@ -436,7 +446,8 @@ def test_every_table_entry_resolves_to_a_launchable_config():
     """Each GPU table entry gives one config per (causal, N); tiles are powers of two and fit the rules."""
     from flashattn import _config
 
-    small_grid = {key: tile for key, (share, tile) in _config._SM90_SMALL_GRID.items() if 0 < share <= 1}
+    small_grid = {key: tile for key, (share, tile) in _config._SM90_SMALL_GRID.items()
+                  if all(0 < _config.resolve(share, causal, None) <= 1 for causal in (False, True))}
     assert len(small_grid) == len(_config._SM90_SMALL_GRID)
     for table in (_config._SM90, _config._SM90_WINDOW, _config._SM90_DROPOUT, _config._DEFAULT, small_grid):
         for (kernel, block_d), entry in table.items():
@@ -926,22 +937,32 @@ def _problem(b=2, h_q=8, h_kv=8, n=4096, m=4096, d=128, causal=True, **variants)
 
 def test_gluon_kernels_run_only_where_the_rule_says(monkeypatch):
     """The dispatch rule: plain attention on sm_90 at a head dim the Gluon kernel is built for, with
-    at least GLUON_MIN_WORK; never for a variant, packed sequences, a CPU tensor, a pinned tile or
-    with Gluon turned off. (The capability and Gluon's presence are faked: this runs on any machine.)"""
+    at least the kernel's GLUON_MIN_WORK for the mask; never for a variant, packed sequences, a CPU
+    tensor, a pinned tile or with Gluon turned off. (The capability and Gluon's presence are faked:
+    this runs on any machine.)"""
     _on_hopper(monkeypatch)
     gpu0 = torch.device("cuda", 0)
     big = _problem()  # 2 * 8 * 4096 * 4096 * 128 = 2^35
-    assert big.batch * big.heads_q * big.n * big.m * big.head_dim == _config.GLUON_MIN_WORK
     assert all(_config.gluon_kernel(kernel, big, gpu0) for kernel in ("fwd", "bwd_dkdv", "bwd_dq"))
     assert not _config.gluon_kernel("fwd", big, torch.device("cpu"))
-    assert not _config.gluon_kernel("fwd", _problem(n=4095), gpu0)  # just below the work bar
+    # each bar exactly: B * H * N * M * D at the bar runs Gluon, one query row fewer does not
+    for (kernel, d), bars in _config.GLUON_MIN_WORK.items():
+        for causal, bar in zip((False, True), bars):
+            n = bar // (2 * 8 * 4096 * d)  # m = 4096 keys
+            assert 2 * 8 * n * 4096 * d == bar
+            assert _config.gluon_kernel(kernel, _problem(n=n, m=4096, d=d, causal=causal), gpu0), (kernel, d, causal)
+            assert not _config.gluon_kernel(kernel, _problem(n=n - 1, m=4096, d=d, causal=causal), gpu0)
+    # the causal backward's bar is above the unmasked one; the forward's is the same for both
+    assert _config.gluon_kernel("bwd_dq", _problem(n=1024, causal=False), gpu0)  # 2^33
+    assert not _config.gluon_kernel("bwd_dq", _problem(n=1024, causal=True), gpu0)
+    assert _config.gluon_kernel("fwd", _problem(n=1024, causal=True), gpu0)
     for d in (64, 72, 96, 256):
         assert not _config.gluon_kernel("bwd_dkdv", _problem(d=d, n=8192), gpu0)
         assert not _config.gluon_kernel("bwd_dq", _problem(d=d, n=8192), gpu0)
     for d in (64, 72, 96, 160):
         assert not _config.gluon_kernel("fwd", _problem(d=d, n=8192), gpu0)
-    assert _config.gluon_kernel("fwd", _problem(d=256, n=2897, m=2897), gpu0)  # 2 * 8 * 2897^2 * 256 >= 2^35
-    assert not _config.gluon_kernel("fwd", _problem(d=256, n=2896, m=2896), gpu0)
+    assert _config.gluon_kernel("fwd", _problem(d=256, n=1025, m=1025), gpu0)  # 2 * 8 * 1025^2 * 256 >= 2^32
+    assert not _config.gluon_kernel("fwd", _problem(d=256, n=1024, m=1023), gpu0)
     for variant in (dict(window=(128, 0)), dict(softcap=30.0), dict(alibi=True), dict(dropout_p=0.1)):
         assert not _config.gluon_kernel("fwd", _problem(**variant), gpu0), variant
         assert not _config.gluon_kernel("bwd_dkdv", _problem(**variant), gpu0), variant
@@ -1212,7 +1233,7 @@ def _gluon_dispatched(q, k, causal, kernels=("fwd", "bwd_dkdv", "bwd_dq")):
 def test_gluon_kernels_match_float64(monkeypatch, dtype, d, b, h_q, h_kv, n, m, causal, layout, std):
     """The package's forward and backward with the Gluon kernels dispatched at every size (the work
     bar lowered to 0) against float64: ragged N != M, empty causal rows, GQA, transposed layouts."""
-    monkeypatch.setattr(_config, "GLUON_MIN_WORK", 0)
+    monkeypatch.setattr(_config, "GLUON_MIN_WORK", collections.defaultdict(lambda: (0, 0)))
     # the dK/dV kernel is built for D = 64 too (not dispatched: it loses there); the forward is tested
     # at D = 64 above
     monkeypatch.setattr(_config, "GLUON_HEAD_DIMS", {"fwd": (128, 256), "bwd_dkdv": (64, 128), "bwd_dq": ()})
@@ -1236,7 +1257,7 @@ def test_gluon_kernels_match_float64(monkeypatch, dtype, d, b, h_q, h_kv, n, m, 
 def test_gluon_dq_kernel_matches_float64(monkeypatch, dtype, d, b, h_q, h_kv, n, m, causal, layout, std):
     """The Gluon dQ kernel (dispatched at D = 128 by default; built for D = 64 too) with the rest of
     the backward, against float64: the rule is opened to it at every size for this test."""
-    monkeypatch.setattr(_config, "GLUON_MIN_WORK", 0)
+    monkeypatch.setattr(_config, "GLUON_MIN_WORK", collections.defaultdict(lambda: (0, 0)))
     monkeypatch.setattr(_config, "GLUON_HEAD_DIMS", {"fwd": (), "bwd_dkdv": (), "bwd_dq": (64, 128)})
     monkeypatch.setattr(_config, "_GLUON", {})
     q, k, v, do = _inputs(b, h_q, h_kv, n, m, d, dtype, layout=layout, std=std, seed=n + 3 * m + d)
@@ -1251,10 +1272,10 @@ def test_gluon_dq_kernel_matches_float64(monkeypatch, dtype, d, b, h_q, h_kv, n,
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [128, 256])
 def test_gluon_kernels_at_the_default_bar_match_float64_and_repeat_bitwise(causal, d):
-    """At the real dispatch bar (2^35 of work) the public API runs the Gluon kernels (at D = 256 the
-    forward alone; at D = 128 the forward, dK/dV and dQ): float64 check, two backward passes bitwise equal, the same bits under a CUDA
-    graph, and the launcher's direct path still on after them."""
-    n = 4096 if d == 128 else 2897  # each at 2^35 of work or just above
+    """At the real dispatch bars (GLUON_MIN_WORK) the public API runs the Gluon kernels (at D = 256
+    the forward alone; at D = 128 the forward, dK/dV and dQ): float64 check, two backward passes
+    bitwise equal, the same bits under a CUDA graph, and the launcher's direct path still on after them."""
+    n = 2897 if d == 128 else 1024  # 2 * 8 * n^2 * d at or just above the highest bar: 2^34 at D = 128, 2^32 at 256
     q, k, v, do = _inputs(2, 8, 2, n, n, d, torch.bfloat16, seed=23)
     dispatched = _gluon_dispatched(q, k, causal)
     if not any(dispatched.values()):
