@@ -230,19 +230,22 @@ def tuning(*, fwd: KernelConfig | None = None, bwd_dkdv: KernelConfig | None = N
 # and D = 64 3-10% slower (tuning log "A dQ kernel in Gluon"), so it runs at D = 128 only.
 GLUON_HEAD_DIMS = {"fwd": (128, 256), "bwd_dkdv": (128,), "bwd_dq": (128,)}
 # B * Hq * N * M * D below which the portable kernels run, per (kernel, head dim): (without a mask,
-# causal). Measured on an H200 (bf16, GPU time of each pass in CUDA graphs, Gluon and portable in
-# turns, tuning log "The Gluon bar, again") once repeated calls replayed Gluon launches too
-# (flashattn._triton.Recipe). Gluon over portable time: the D = 128 forward 0.59-1.01x from 2^31 up,
-# 0.94-1.19x at 2^29-2^30 (where the portable kernel takes its small-grid tile); the D = 256 forward
-# 0.71-0.81x from 2^31 up, but at 2^31 the portable small-grid tile took 23.3 us against Gluon's 25.6;
-# the D = 128 backward 0.89-0.92x from 2^32 up without a mask, and with the causal mask 0.83-1.25x at
-# 2^32-2^33 (slower in 8 of 11 readings of 6 shapes) and 0.83-1.00x at 2^34. Every cell of the benchmark grid (16k
-# tokens, 2048 hidden) from N = 1024 up is at 2^35 or more.
+# causal). Measured on an H200 (bf16, Gluon and portable in turns, tuning log "The Gluon bar, again")
+# once repeated calls replayed Gluon launches too (flashattn._triton.Recipe), by two yardsticks: GPU
+# time per pass (CUDA graphs) and the eager call's wall time, host included. A bar is where Gluon
+# wins the first without losing the second. Gluon over portable GPU time: the D = 128 forward
+# 0.59-1.01x from 2^31 up (0.94-1.19x below, where the portable kernel takes its small-grid tile);
+# the D = 256 forward 0.71-0.81x from 2^31 up; the D = 128 backward 0.89-0.92x from 2^32 up without a
+# mask, and with the causal mask 0.83-1.25x at 2^32-2^33 and 0.83-1.00x at 2^34. Eager: a causal
+# Gluon forward allocates and zeroes its tile counter at every call, and below 2^33 that host work
+# outweighed its GPU gain (1.09-1.34x the portable call's wall time at 2^31-2^32, 0.82-0.95x at
+# 2^33); eager forward + backward read 1.12-1.13x at 2^32 without a mask and 0.83-0.95x at 2^33.
+# Every cell of the benchmark grid (16k tokens, 2048 hidden) from N = 1024 up is at 2^35 or more.
 GLUON_MIN_WORK = {
-    ("fwd", 128): (2**31, 2**31),
-    ("fwd", 256): (2**32, 2**32),
-    ("bwd_dkdv", 128): (2**32, 2**34),
-    ("bwd_dq", 128): (2**32, 2**34),
+    ("fwd", 128): (2**31, 2**33),
+    ("fwd", 256): (2**32, 2**33),
+    ("bwd_dkdv", 128): (2**33, 2**34),
+    ("bwd_dq", 128): (2**33, 2**34),
 }
 _GLUON: dict = {}  # (kernel, problem, device index) -> whether the Gluon kernel runs it
 

@@ -952,17 +952,21 @@ def test_gluon_kernels_run_only_where_the_rule_says(monkeypatch):
             assert 2 * 8 * n * 4096 * d == bar
             assert _config.gluon_kernel(kernel, _problem(n=n, m=4096, d=d, causal=causal), gpu0), (kernel, d, causal)
             assert not _config.gluon_kernel(kernel, _problem(n=n - 1, m=4096, d=d, causal=causal), gpu0)
-    # the causal backward's bar is above the unmasked one; the forward's is the same for both
+    # the causal bars are above the unmasked ones: at 2^33 the backward runs Gluon without the mask only
     assert _config.gluon_kernel("bwd_dq", _problem(n=1024, causal=False), gpu0)  # 2^33
     assert not _config.gluon_kernel("bwd_dq", _problem(n=1024, causal=True), gpu0)
     assert _config.gluon_kernel("fwd", _problem(n=1024, causal=True), gpu0)
+    assert _config.gluon_kernel("fwd", _problem(n=512, causal=False), gpu0)  # 2^32
+    assert not _config.gluon_kernel("fwd", _problem(n=512, causal=True), gpu0)
     for d in (64, 72, 96, 256):
         assert not _config.gluon_kernel("bwd_dkdv", _problem(d=d, n=8192), gpu0)
         assert not _config.gluon_kernel("bwd_dq", _problem(d=d, n=8192), gpu0)
     for d in (64, 72, 96, 160):
         assert not _config.gluon_kernel("fwd", _problem(d=d, n=8192), gpu0)
-    assert _config.gluon_kernel("fwd", _problem(d=256, n=1025, m=1025), gpu0)  # 2 * 8 * 1025^2 * 256 >= 2^32
-    assert not _config.gluon_kernel("fwd", _problem(d=256, n=1024, m=1023), gpu0)
+    assert _config.gluon_kernel("fwd", _problem(d=256, n=1025, m=1025, causal=False), gpu0)  # 2 * 8 * 1025^2 * 256 >= 2^32
+    assert not _config.gluon_kernel("fwd", _problem(d=256, n=1024, m=1023, causal=False), gpu0)
+    assert _config.gluon_kernel("fwd", _problem(d=256, n=1449, m=1449), gpu0)  # causal: 2 * 8 * 1449^2 * 256 >= 2^33
+    assert not _config.gluon_kernel("fwd", _problem(d=256, n=1448, m=1448), gpu0)
     for variant in (dict(window=(128, 0)), dict(softcap=30.0), dict(alibi=True), dict(dropout_p=0.1)):
         assert not _config.gluon_kernel("fwd", _problem(**variant), gpu0), variant
         assert not _config.gluon_kernel("bwd_dkdv", _problem(**variant), gpu0), variant
@@ -1275,7 +1279,7 @@ def test_gluon_kernels_at_the_default_bar_match_float64_and_repeat_bitwise(causa
     """At the real dispatch bars (GLUON_MIN_WORK) the public API runs the Gluon kernels (at D = 256
     the forward alone; at D = 128 the forward, dK/dV and dQ): float64 check, two backward passes
     bitwise equal, the same bits under a CUDA graph, and the launcher's direct path still on after them."""
-    n = 2897 if d == 128 else 1024  # 2 * 8 * n^2 * d at or just above the highest bar: 2^34 at D = 128, 2^32 at 256
+    n = 2897 if d == 128 else 1449  # 2 * 8 * n^2 * d just above the highest bar: 2^34 at D = 128, 2^33 at 256
     q, k, v, do = _inputs(2, 8, 2, n, n, d, torch.bfloat16, seed=23)
     dispatched = _gluon_dispatched(q, k, causal)
     if not any(dispatched.values()):
