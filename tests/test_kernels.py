@@ -958,6 +958,12 @@ def test_gluon_kernels_run_only_where_the_rule_says(monkeypatch):
     assert _config.gluon_kernel("fwd", _problem(n=1024, causal=True), gpu0)
     assert _config.gluon_kernel("fwd", _problem(n=512, causal=False), gpu0)  # 2^32
     assert not _config.gluon_kernel("fwd", _problem(n=512, causal=True), gpu0)
+    for kernel in ("bwd_dkdv", "bwd_dq"):  # the backward's unmasked bar is 2^33, its causal one 2^34
+        assert not _config.gluon_kernel(kernel, _problem(n=512, causal=False), gpu0)
+        assert _config.gluon_kernel(kernel, _problem(n=2048, causal=True), gpu0)
+        assert not _config.gluon_kernel(kernel, _problem(n=2047, causal=True), gpu0)
+    assert _config.gluon_kernel("fwd", _problem(n=256, causal=False), gpu0)  # 2^31
+    assert not _config.gluon_kernel("fwd", _problem(n=255, causal=False), gpu0)
     for d in (64, 72, 96, 256):
         assert not _config.gluon_kernel("bwd_dkdv", _problem(d=d, n=8192), gpu0)
         assert not _config.gluon_kernel("bwd_dq", _problem(d=d, n=8192), gpu0)
