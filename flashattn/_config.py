@@ -317,9 +317,9 @@ def get_config(kernel: str, problem: Problem, device: torch.device) -> KernelCon
         return _INTERPRETER[kernel]
     index = device.index if device.index is not None else torch.cuda.current_device()
     major, _ = _capability(index)
-    if major != 9:
-        return resolve(_DEFAULT[(kernel, problem.block_d)], problem.causal, problem.n)
     p = problem
+    if major != 9:
+        return resolve(_DEFAULT[(kernel, p.block_d)], p.causal, p.n)
     cfg = resolve(sm90_entry(kernel, p.block_d, dropout=p.dropout_p > 0, window=p.window is not None), p.causal, p.n)
     small = _SM90_SMALL_GRID.get((kernel, p.block_d))
     if small is not None and not (p.dropout_p or p.window is not None or p.varlen):

@@ -576,22 +576,23 @@ class _Join(_Fork):
         _current_stream(device).wait_stream(self.side)
 
 
-def fork(side, record: Recording | None = None) -> None:
-    """Let the stream ``side`` (of the current device) start after the work queued so far on the
-    current stream; a ``record`` replays the same wait."""
-    switch = _Fork(side)
+def _switch(switch: _Fork, record: Recording | None) -> None:
+    """Make the stream switch now, and keep it in ``record`` for the recipe's replays."""
     switch(_current_device())
     if record is not None:
         record.steps.append(switch)
+
+
+def fork(side, record: Recording | None = None) -> None:
+    """Let the stream ``side`` (of the current device) start after the work queued so far on the
+    current stream; a ``record`` replays the same wait."""
+    _switch(_Fork(side), record)
 
 
 def join(side, record: Recording | None = None) -> None:
     """Make the current stream wait for the work queued so far on ``side``: whatever runs after this
     call (and any reuse of its tensors' memory) starts after ``side``'s kernels; recorded likewise."""
-    switch = _Join(side)
-    switch(_current_device())
-    if record is not None:
-        record.steps.append(switch)
+    _switch(_Join(side), record)
 
 
 @contextlib.contextmanager
