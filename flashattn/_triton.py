@@ -506,37 +506,40 @@ class Recording:
     """The launches of one launcher call, which :func:`launch` fills in as it goes: what
     :meth:`keep` turns into the :class:`Recipe` that repeats the call for the next tensors."""
 
-    __slots__ = ("key", "steps", "complete", "side", "scratch")
+    __slots__ = ("key", "steps", "complete", "side", "counters")
 
     def __init__(self, key):
         self.key, self.steps, self.complete = key, [], True
         self.side = None  # the stream the launches being added go to, when not the current one (on_stream)
-        self.scratch = []  # tensors the call allocated zeroed for its kernels (add_scratch)
+        self.counters = []  # the tile counters its kernels drew from (add_counter)
 
     def add(self, kernel, direct, grid: tuple, args: tuple) -> None:
         self.steps.append((kernel, direct, grid, args, self.side))
 
-    def add_scratch(self, x: torch.Tensor) -> None:
-        """``x`` was allocated by the call and zeroed (a counter its kernels share): a replay allocates
-        and zeroes its own."""
-        self.scratch.append(x)
+    def add_counter(self, x: torch.Tensor) -> None:
+        """``x`` is the :func:`tile_counter` of the call's stream: a replay passes the counter of the
+        stream it launches on (or, under capture, a graph's own)."""
+        if not any(c is x for c in self.counters):
+            self.counters.append(x)
 
     def keep(self, inputs: tuple, outputs: tuple, free: tuple = (), shared: tuple = ()) -> None:
         """Remember the call as a recipe: ``inputs`` are the tensors (or None) it was given, in the
         order :func:`replay` will get them, ``outputs`` the tensors it allocated, ``free`` the
         per-call integers, in the kernels' order (the dropout seed's halves). Kept only when every
-        launch went through a direct launch and every argument tensor is one of these (or of the
-        call's scratch).
+        launch went through a direct launch and every argument tensor is one of these (or a tile
+        counter of the current stream, :meth:`add_counter`).
 
         A tensor in two roles binds both slots to the first of them, which is right only for calls
         that pass one tensor in the same roles: the inputs at positions ``shared`` may be one tensor
         because the key records which of them are; any other tensor in two roles keeps no recipe."""
-        allocated = (*outputs, *self.scratch)
-        roles = (*inputs, *allocated)
+        roles = (*inputs, *outputs, *self.counters)
         tensors = [x for x in roles if x is not None]
         others = [id(x) for i, x in enumerate(roles) if x is not None and i not in shared]
+        on_side = [args for entry in self.steps if isinstance(entry, tuple) and entry[4] is not None
+                   for args in entry[3]]
         if (not self.complete or any(x.data_ptr() & 15 for x in tensors) or len(set(others)) < len(others)
-                or not {id(inputs[i]) for i in shared}.isdisjoint(others)):
+                or not {id(inputs[i]) for i in shared}.isdisjoint(others)
+                or any(a is c for a in on_side for c in self.counters)):  # a replay passes the current stream's
             return
         if len(_RECIPES) > 4096:  # many distinct lengths: start over rather than grow without bound
             _RECIPES.clear()
@@ -551,8 +554,8 @@ class Recording:
                 _RECIPES[self.key] = None  # this key's calls always take the launchers' own path
                 return
             steps.append(step)
-        layouts = tuple((tuple(x.shape), x.stride(), x.dtype) for x in allocated)
-        _RECIPES[self.key] = Recipe(tuple(steps), layouts, len(outputs), allocated[0].device)
+        layouts = tuple((tuple(x.shape), x.stride(), x.dtype) for x in outputs)
+        _RECIPES[self.key] = Recipe(tuple(steps), layouts, len(self.counters), outputs[0].device)
 
 
 class _Fork:
@@ -617,15 +620,16 @@ def _stream_context(stream):
 
 
 class Recipe:
-    """A launcher call kept for repeating: the tensors to allocate and the launches to make, each with
+    """A launcher call kept for repeating: the outputs to allocate and the launches to make, each with
     its arguments expanded once, and the stream switches between them. Replaying it costs the
     allocations, one TMA descriptor fill per described tensor, the C launches and the switches; no
-    config lookup, descriptor object, cache key or argument binding."""
+    config lookup, descriptor object, cache key or argument binding. Its roles are the call's
+    inputs, its outputs (``layouts``) and ``n_counters`` tile counters (:func:`tile_counter`)."""
 
-    __slots__ = ("steps", "layouts", "n_outputs", "device", "fills", "first")
+    __slots__ = ("steps", "layouts", "n_counters", "device", "fills", "first")
 
-    def __init__(self, steps: tuple, layouts: tuple, n_outputs: int, device: torch.device):
-        self.steps, self.layouts, self.n_outputs, self.device = steps, layouts, n_outputs, device
+    def __init__(self, steps: tuple, layouts: tuple, n_counters: int, device: torch.device):
+        self.steps, self.layouts, self.n_counters, self.device = steps, layouts, n_counters, device
         self.first = next(step for step in steps if isinstance(step, _Step))  # its hooks are every launch's
         # One TMA descriptor per distinct (tensor, tile): the backward's two kernels often read q, k,
         # v and dO in the same tiles. A launch copies its descriptors into the kernel's parameters, so
@@ -652,23 +656,47 @@ class Recipe:
         for pointer in pointers:
             if pointer & 15:
                 return None  # recorded with aligned inputs: a misaligned one takes the launchers' own path
-        device, n = self.device, self.n_outputs
-        allocated = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
-                     for shape, stride, dtype in self.layouts]
-        for scratch in allocated[n:]:
-            scratch.zero_()
+        device = self.device
+        allocated = tuple(torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                          for shape, stride, dtype in self.layouts)
         pointers += [x.data_ptr() for x in allocated]
         stream = _stream(device.index)
+        if self.n_counters:  # (held until the launches are queued: under capture it is the graph's own)
+            counter = tile_counter(device, stream)
+            pointers += [counter.data_ptr()] * self.n_counters
         filled = [fill(pointers[i], *args) for fill, i, args in self.fills]
         for step in self.steps:
             if isinstance(step, _Step):
                 step(stream if step.side is None else step.side.cuda_stream, pointers, filled, free)
             else:
                 step(device)
-        return tuple(allocated[:n])
+        return allocated
 
 
 _RECIPES: dict = {}  # a launcher call's key -> its Recipe, or None where its calls cannot be replayed
+_TILE_COUNTERS: dict = {}  # (device index, raw stream) -> that stream's tile counter
+
+
+def tile_counter(device: torch.device, stream: int | None = None) -> torch.Tensor:
+    """A zero int32 for a kernel whose CTAs draw their tiles by adding to it and whose last draw sets
+    it back to zero (the Gluon causal forward's dynamic walk): one per (device, stream), since launches
+    may share one only if they run one after another, as launches on one stream do. ``stream`` is the
+    raw handle of the stream the launch goes to (default: the current one). Under CUDA-graph capture
+    it is a new one, zeroed by a memset the graph captures: a graph may be replayed on any stream."""
+    if _capturing(device):
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    if stream is None:
+        stream = _stream(device.index)
+    key = (device.index, stream)
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        counter = _TILE_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` (a CUDA device, the current one) captures a graph."""
+    return device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
 
 
 def recording(key) -> Recording | None:

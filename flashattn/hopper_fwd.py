@@ -19,8 +19,8 @@ persistent launch the blocks pid, pid + grid, ... of a grid of at most one CTA p
   that buffer: O is staged in the dead Q half, which is released after the store.
 * a persistent walk is static (blocks pid, pid + grid, ...) or dynamic (``DYNAMIC``, the default
   under causal): the producer draws the CTA's next block from a counter all CTAs add to (an int32
-  zeroed per call) and hands its number to the consumers in shared memory, written before the
-  mbarrier arrive that the Q half's TMA completes. Under causal the blocks are numbered in
+  kept per stream, which the CTA that draws last sets back to zero) and hands its number to the
+  consumers in shared memory, written before the mbarrier arrive that the Q half's TMA completes. Under causal the blocks are numbered in
   sections of ``SECTION`` heads, the longest block of each head of a section first.
   The kernel runs with ``maxnreg=168`` so that the register allocator gives each consumer
   warpgroup 240 registers per thread (12 warps * 168 = 4 * 240 + 4 * 240 + 4 * 24).
@@ -361,12 +361,20 @@ def _build_kernel():
         kv = 0
         if DYNAMIC:
             tile = gl.program_id(0)
+            drawn = 0
             while tile < tiles:
                 kv += _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full,
                                     k_empty, v_empty, tile_ids, tile, t, kv, BH, HQ, GROUP, N, M, SECTION,
                                     CAUSAL, DYNAMIC, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS)
                 t += 1
-                tile = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1, sem="relaxed")
+                drawn = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+                tile = gl.num_programs(0) + drawn
+            # Every CTA draws until it gets a number past the last tile, so the draws number exactly
+            # `tiles` (tiles - grid that succeed, one that fails per CTA) and return 0 .. tiles - 1.
+            # The CTA that drew the last one sets the counter back to zero for the next launch on
+            # its stream: no call zeroes it.
+            if drawn == tiles - 1:
+                gl.atomic_xchg(counter_ptr, 0, sem="relaxed")
             # No tile left: a tile number past the end wakes the consumers, which then stop.
             _wait_q_free(q_empty, t, QBUFS)
             _put_tile(tile_ids, t, tile)
@@ -700,11 +708,11 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     two the producer loads the next tile's Q while the consumers finish this one (default
     :func:`q_buffers_default`; a CTA of one tile holds one). ``out``, when given, receives o: any (B, Hq, N, D) tensor of q's dtype
     whose head dim is contiguous, such as one laid out like q. A ``record``
-    (:class:`flashattn._triton.Recording`) keeps the launch, and the tile counter as scratch."""
+    (:class:`flashattn._triton.Recording`) keeps the launch, and which argument is the tile counter."""
     import torch
 
     from flashattn._config import _sm_count
-    from flashattn._triton import ceil_div, describable
+    from flashattn._triton import ceil_div, describable, tile_counter
     from flashattn.constants import LOG2E
 
     kernel = _get_kernel()
@@ -750,11 +758,12 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     assert q_buffers in (1, 2) and (q_buffers == 1 or D <= 128), "two Q buffers fit shared memory up to D = 128"
     q_desc, k_desc, v_desc, o_desc = (descriptor(q, HALF_M), descriptor(k, block_n), descriptor(v, block_n),
                                       descriptor(o, HALF_M))
-    # A dynamic walk's tile counter, zeroed per call (a memset), so that calls on different streams,
-    # or replays of a captured graph, never share one.
-    counter = torch.zeros(1, device=q.device, dtype=torch.int32) if dynamic else lse
+    # A dynamic walk's tile counter: zero when the launch starts and again when it ends (the last
+    # draw resets it), one per stream so that launches sharing one run one after the other, and
+    # under CUDA-graph capture the graph's own (flashattn._triton.tile_counter).
+    counter = tile_counter(q.device) if dynamic else lse
     if dynamic and record is not None:
-        record.add_scratch(counter)
+        record.add_counter(counter)
     launch(kernel, ctas,
            (q_desc, k_desc, v_desc, o_desc, lse, counter, B * Hq, Hq, Hq // Hkv, N, M, section,
             float(scale) * LOG2E),

@@ -670,11 +670,13 @@ def test_gpu_cuda_graph_replay_matches_eager(causal, dq_stream, monkeypatch):
         assert torch.equal(got, want)
 
 
-def test_a_recipe_allocates_and_zeroes_its_scratch_at_every_replay(monkeypatch):
-    """Scratch a call recorded (Recording.add_scratch: the Gluon causal forward's tile counter) is
-    allocated again and zeroed at each replay, before the launch that reads it, and is not returned;
-    the outputs are allocated in their recorded layout and not zeroed. Runs on the CPU: the launch is
-    a stand-in that reads the scratch's memory when called (benchmarks.hostcost)."""
+def test_a_recipe_passes_the_tile_counter_of_the_stream_it_launches_on(monkeypatch):
+    """A tile counter a call recorded (Recording.add_counter: the Gluon causal forward's) is, at each
+    replay, the counter of the stream the replay launches on: one per (device, stream), the same on
+    that stream every time, another on another stream, and under CUDA-graph capture a new zeroed one
+    per call. The outputs are allocated in their recorded layout and not zeroed, and no counter is
+    returned. A counter a launch on a side stream drew from keeps no recipe. Runs on the CPU: the
+    launch is a stand-in that records the pointers it was given (benchmarks.hostcost)."""
     import ctypes
     from types import SimpleNamespace
 
@@ -686,28 +688,50 @@ def test_a_recipe_allocates_and_zeroes_its_scratch_at_every_replay(monkeypatch):
     class Reading(_NoLaunch):
         def __call__(self, *args):  # the generated launcher's arguments: 12 of its own, then the kernel's
             super().__call__(*args)
-            seen.append(ctypes.c_int32.from_address(args[-1]).value if isinstance(args[-1], int) else None)
+            seen.append((args[-1], ctypes.c_int32.from_address(args[-1]).value))
 
     kernel = SimpleNamespace(arg_names=["inp", "out", "counter"])
     direct = Reading(capture=True).direct(kernel)
+    stream = [5]
+    capturing = [False]
     monkeypatch.setattr(_triton, "_RECIPES", {})
-    monkeypatch.setattr(_triton, "_stream", lambda device: 0)
+    monkeypatch.setattr(_triton, "_TILE_COUNTERS", {})
+    monkeypatch.setattr(_triton, "_stream", lambda device: stream[0])
+    monkeypatch.setattr(_triton, "_capturing", lambda device: capturing[0])
     empty = torch.empty_strided
     monkeypatch.setattr(torch, "empty_strided", lambda *a, **k: empty(*a, **k).fill_(7))  # stale memory
 
     inp = torch.randn(4, 8)
-    out, counter = torch.empty(8, 4).t(), torch.zeros(1, dtype=torch.int32)  # a transposed output layout
+    out, counter = torch.empty(8, 4).t(), _triton.tile_counter(inp.device)  # a transposed output layout
+    assert counter.dtype == torch.int32 and counter.tolist() == [0]
     record = _triton.Recording("key")
     record.add(kernel, direct, (1, 1, 1), (inp, out, counter))
-    record.add_scratch(counter)
+    record.add_counter(counter)
     record.keep((inp,), (out,))
     recipe = _triton._RECIPES["key"]
-    assert recipe is not None and recipe.n_outputs == 1 and len(recipe.layouts) == 2
-    for _ in range(2):
+    assert recipe is not None and recipe.n_counters == 1 and len(recipe.layouts) == 1
+    pointers = {}
+    for s_, capture in ((5, False), (5, False), (6, False), (5, False), (5, True), (5, True)):
+        stream[0], capturing[0] = s_, capture
         replayed = _triton.replay("key", (torch.randn(4, 8),))
         assert len(replayed) == 1 and replayed[0].shape == (4, 8) and replayed[0].stride() == (1, 4)
         assert (replayed[0] == 7).all()  # an output is the kernel's to write: not zeroed
-    assert seen == [0, 0]  # each replay's launch found its counter zeroed
+        pointer, value = seen[-1]
+        assert value == 0
+        if capture:
+            assert pointer not in pointers.values()  # the graph's own counter
+        else:
+            assert pointers.setdefault(s_, pointer) == pointer  # that stream's, every time
+            assert pointer == _triton.tile_counter(inp.device, s_).data_ptr()
+    assert pointers[5] == counter.data_ptr() and pointers[6] != pointers[5]
+
+    monkeypatch.setattr(_triton, "_RECIPES", {})
+    record = _triton.Recording("side")
+    record.side = object()  # the launch goes to a side stream (on_stream)
+    record.add(kernel, direct, (1, 1, 1), (inp, out, counter))
+    record.add_counter(counter)
+    record.keep((inp,), (out,))
+    assert "side" not in _triton._RECIPES
 
 
 def test_direct_launch_only_for_the_launcher_it_knows():
@@ -863,7 +887,7 @@ def test_gpu_replayed_calls_match_the_full_path(monkeypatch):
              ((1, 4, 4, 200, 200, 96), dict(causal=True, dropout_p=0.2, softcap=20.0), "bhnd"),
              ((2, 4, 2, 256, 320, 256), dict(causal=True, alibi=True), "bnhd"),
              # large enough for dQ's second stream and, on an H200, the Gluon kernels: the causal
-             # forward's tile counter is scratch a replay zeroes, the plain one's walk is static
+             # forward's tile counter is its stream's, the plain one's walk is static
              ((16, 16, 16, 1024, 1024, 128), dict(causal=True), "bhnd"),
              ((16, 16, 4, 1024, 1024, 128), dict(), "bnhd"),
              ((4, 8, 8, 2048, 2048, 256), dict(causal=True), "bhnd")]
@@ -1045,9 +1069,9 @@ def test_hopper_forward_persistent_matches_float64_and_one_cta_per_block(walk, d
     """A persistent launch (CTAs walking query blocks, the K/V ring and the Q and O buffers carried
     from block to block; statically or drawing blocks from a counter, in sections of heads, with one
     or two Q buffers) gives the same bits as one CTA per block, and float64's answer, with either
-    mask and where blocks have unequal work; a dynamic walk twice in a row (its counter is zeroed per
-    call) gives them again."""
-    from flashattn import hopper_fwd
+    mask and where blocks have unequal work; a dynamic walk twice in a row gives them again, and
+    leaves its stream's tile counter at zero (the last draw resets it: no call zeroes it)."""
+    from flashattn import _triton, hopper_fwd
 
     if _WALKS[walk].get("q_buffers") == 2 and d > 128:
         pytest.skip("two Q buffers fit shared memory up to D = 128")
@@ -1058,6 +1082,7 @@ def test_hopper_forward_persistent_matches_float64_and_one_cta_per_block(walk, d
     for _ in range(2 if _WALKS[walk]["dynamic"] else 1):
         o, lse = hopper_fwd.forward(q, k, v, causal, **_WALKS[walk])
         assert torch.equal(o, o1) and torch.equal(lse, lse1)
+        assert _triton.tile_counter(q.device).item() == 0
     o64, lse64 = naive_attention(q.double(), k.double(), v.double(), causal=causal)
     o16, lse16 = naive_attention(q, k, v, causal=causal)
     assert_close_ratio("o", o, o64, o16)
@@ -1067,9 +1092,10 @@ def test_hopper_forward_persistent_matches_float64_and_one_cta_per_block(walk, d
 @gpu
 @needs_cuda
 def test_hopper_forward_dynamic_walks_on_two_streams_at_once_keep_their_own_counters():
-    """Two causal forwards with a dynamic walk running at the same time on two streams (each call
-    zeroes a counter of its own) give the bits of one CTA per block."""
-    from flashattn import hopper_fwd
+    """Two causal forwards with a dynamic walk running at the same time on two streams (each stream
+    draws from a tile counter of its own) give the bits of one CTA per block, and leave both
+    counters at zero."""
+    from flashattn import _triton, hopper_fwd
 
     inputs = [random_qkv(4, 32, 8, 2048, 2048, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
     if not hopper_fwd.supported(*inputs[0], True):
@@ -1085,6 +1111,8 @@ def test_hopper_forward_dynamic_walks_on_two_streams_at_once_keep_their_own_coun
         torch.cuda.synchronize()
         for (o, lse), (o1, lse1) in zip(outs, expected):
             assert torch.equal(o, o1) and torch.equal(lse, lse1)
+        for stream in streams:
+            assert _triton.tile_counter(stream.device, stream.cuda_stream).item() == 0
 
 
 def _walk_order(batch_heads, num_mb, causal, section):
@@ -1165,10 +1193,12 @@ def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d,
                                                                  section, qbufs):
     """hopper_fwd.forward's host code up to the launch, on the CPU (the kernel, the descriptors and
     the SM count stubbed): the grid, the walk's constexprs (the Q buffers included), the section and
-    a zeroed counter of its own for a dynamic walk."""
-    from flashattn import _config, hopper_fwd
+    for a dynamic walk the zero tile counter of the current stream."""
+    from flashattn import _config, _triton, hopper_fwd
 
     launches = []
+    monkeypatch.setattr(_triton, "_TILE_COUNTERS", {})
+    monkeypatch.setattr(_triton, "_stream", lambda device: 7)
     monkeypatch.setattr(hopper_fwd, "_get_kernel", lambda: "kernel")
     monkeypatch.setattr(hopper_fwd, "descriptor", lambda t, rows: ("desc", rows))
     monkeypatch.setattr(hopper_fwd, "launch", lambda *a, **k: launches.append(a))
@@ -1182,7 +1212,8 @@ def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d,
     counter, bh, sect = args[5], args[6], args[11]
     assert bh == 256 and sect == section
     if dynamic:
-        assert counter.dtype == torch.int32 and counter.tolist() == [0] and counter is not lse
+        assert counter.dtype == torch.int32 and counter.tolist() == [0]
+        assert counter is _triton._TILE_COUNTERS[(None, 7)]
 
 
 @pytest.mark.parametrize("which", ["dkdv", "dq"])
@@ -1279,6 +1310,44 @@ def test_gluon_dq_kernel_matches_float64(monkeypatch, dtype, d, b, h_q, h_kv, n,
 
 @gpu
 @needs_cuda
+def test_gpu_replayed_gluon_causal_forwards_share_a_stream_counter_not_a_graph_one():
+    """The public forward's Gluon causal kernel draws its tiles from its stream's counter: replayed
+    calls on two streams at once, calls on the default stream between the replays of a graph captured
+    on a side stream, and the graph's replays all give the bits of the first call, and every stream's
+    counter is zero afterwards (the counter the graph captured is its own)."""
+    from flashattn import _triton
+
+    inputs = [_inputs(4, 32, 8, 2048, 2048, 128, torch.bfloat16, seed=41 + i)[:3] for i in range(2)]
+    if not _gluon_dispatched(inputs[0][0], inputs[0][1], True, ("fwd",))["fwd"]:
+        pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
+    problem = Problem.of(inputs[0][0], inputs[0][1], True)
+    expected = [attention_forward(*x, problem) for x in inputs]  # the first records the recipe
+    streams = [torch.cuda.Stream() for _ in inputs]
+    torch.cuda.synchronize()
+    for _ in range(3):
+        outs = []
+        for stream, x in zip(streams, inputs):
+            with torch.cuda.stream(stream):
+                outs.append(attention_forward(*x, problem))
+        torch.cuda.synchronize()
+        for got, want in zip(outs, expected):
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = attention_forward(*inputs[0], problem)
+    for _ in range(2):
+        graph.replay()
+        eager = attention_forward(*inputs[1], problem)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(captured, expected[0]))
+        assert all(torch.equal(a, b) for a, b in zip(eager, expected[1]))
+    for stream in (*streams, torch.cuda.current_stream()):
+        assert _triton.tile_counter(stream.device, stream.cuda_stream).item() == 0
+    assert _triton._RECIPES  # the calls were replayed, not only recorded
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [128, 256])
 def test_gluon_kernels_at_the_default_bar_match_float64_and_repeat_bitwise(causal, d):
@@ -1301,7 +1370,7 @@ def test_gluon_kernels_at_the_default_bar_match_float64_and_repeat_bitwise(causa
     with torch.cuda.graph(graph):
         og, lseg = attention_forward(q, k, v, problem)
         grads = attention_backward(do, q, k, v, og, lseg, problem)
-    for _ in range(2):  # a replay zeroes the causal forward's tile counter again (a captured memset)
+    for _ in range(2):  # the causal forward's tile counter is the graph's own, zeroed by a captured memset
         og.zero_()
         graph.replay()
         torch.cuda.synchronize()
