@@ -1101,18 +1101,26 @@ def test_hopper_forward_dynamic_walks_on_two_streams_at_once_keep_their_own_coun
     if not hopper_fwd.supported(*inputs[0], True):
         pytest.skip("the Gluon forward runs on sm_90 with Triton 3.6 only")
     expected = [hopper_fwd.forward(*x, True, persistent=False) for x in inputs]
+    streams = _on_two_streams_at_once(lambda x: hopper_fwd.forward(*x, True, persistent=True, dynamic=True),
+                                      inputs, expected)
+    for stream in streams:
+        assert _triton.tile_counter(stream.device, stream.cuda_stream).item() == 0
+
+
+def _on_two_streams_at_once(call, inputs, expected, rounds=3):
+    """``call(x)`` for each of ``inputs`` on a stream of its own, all queued before one synchronize,
+    ``rounds`` times; each round's results must be bitwise ``expected``'s. Returns the streams."""
     streams = [torch.cuda.Stream() for _ in inputs]
     torch.cuda.synchronize()
-    for _ in range(3):
+    for _ in range(rounds):
         outs = []
         for stream, x in zip(streams, inputs):
             with torch.cuda.stream(stream):
-                outs.append(hopper_fwd.forward(*x, True, persistent=True, dynamic=True))
+                outs.append(call(x))
         torch.cuda.synchronize()
-        for (o, lse), (o1, lse1) in zip(outs, expected):
-            assert torch.equal(o, o1) and torch.equal(lse, lse1)
-        for stream in streams:
-            assert _triton.tile_counter(stream.device, stream.cuda_stream).item() == 0
+        for got, want in zip(outs, expected):
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    return streams
 
 
 def _walk_order(batch_heads, num_mb, causal, section):
@@ -1322,16 +1330,7 @@ def test_gpu_replayed_gluon_causal_forwards_share_a_stream_counter_not_a_graph_o
         pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
     problem = Problem.of(inputs[0][0], inputs[0][1], True)
     expected = [attention_forward(*x, problem) for x in inputs]  # the first records the recipe
-    streams = [torch.cuda.Stream() for _ in inputs]
-    torch.cuda.synchronize()
-    for _ in range(3):
-        outs = []
-        for stream, x in zip(streams, inputs):
-            with torch.cuda.stream(stream):
-                outs.append(attention_forward(*x, problem))
-        torch.cuda.synchronize()
-        for got, want in zip(outs, expected):
-            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    streams = _on_two_streams_at_once(lambda x: attention_forward(*x, problem), inputs, expected)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = attention_forward(*inputs[0], problem)
