@@ -1172,6 +1172,48 @@ def test_persistent_walk_work_counts_the_key_blocks_each_cta_visits(batch_heads,
         assert round(max(expected) / (sum(expected) / ctas), 2) == 1.02
 
 
+@settings(max_examples=200, deadline=None)
+@given(ctas=st.integers(1, 8), extra=st.integers(0, 24), seed=st.integers(0, 2**32 - 1))
+def test_dynamic_walk_draws_every_tile_once_and_its_last_draw_resets_the_counter(ctas, extra, seed):
+    """The Gluon forward's dynamic walk (hopper_fwd._fa_producer), run as a model in which each
+    CTA's atomic add is one indivisible step and the CTAs' steps interleave at random: from a zero
+    counter, every tile is walked exactly once; the draws number as many as the tiles and return
+    0 .. tiles - 1; exactly one CTA resets the counter, after the last draw of the launch; and the
+    counter ends at zero, as the next launch on the stream needs (the Hopper page's claim)."""
+    import random
+
+    tiles = ctas + extra  # the launcher starts at most one CTA per tile
+    counter, taken, draws, resets = [0], [], [], []
+
+    def cta(pid):
+        tile, drawn = pid, 0
+        while tile < tiles:
+            taken.append(tile)
+            yield  # the tile's work: other CTAs may draw meanwhile
+            drawn = counter[0]
+            counter[0] += 1  # gl.atomic_add: read and add in one step
+            draws.append(drawn)
+            tile = ctas + drawn
+            yield
+        if drawn == tiles - 1:
+            counter[0] = 0  # gl.atomic_xchg(counter_ptr, 0)
+            resets.append(len(draws))
+        yield
+
+    rng = random.Random(seed)
+    live = [cta(pid) for pid in range(ctas)]
+    while live:
+        walker = rng.choice(live)
+        try:
+            next(walker)
+        except StopIteration:
+            live.remove(walker)
+    assert sorted(taken) == list(range(tiles))
+    assert sorted(draws) == list(range(tiles))
+    assert resets == [tiles]  # one reset, made when all the launch's draws had been made
+    assert counter == [0]
+
+
 def test_hopper_forward_walks_persistently_where_it_measured_faster():
     """The default walk: persistent and static without a mask at D <= 128, one CTA per query block
     without a mask at D = 256, persistent and dynamic under causal; sections of about one query
