@@ -1243,7 +1243,7 @@ def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d,
                                                                  section, qbufs):
     """hopper_fwd.forward's host code up to the launch, on the CPU (the kernel, the descriptors and
     the SM count stubbed): the grid, the walk's constexprs (the Q buffers included), the section and
-    for a dynamic walk the zero tile counter of the current stream."""
+    for a dynamic walk the zero tile counter of the current stream, or under capture a new one."""
     from flashattn import _config, _triton, hopper_fwd
 
     launches = []
@@ -1264,6 +1264,13 @@ def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d,
     if dynamic:
         assert counter.dtype == torch.int32 and counter.tolist() == [0]
         assert counter is _triton._TILE_COUNTERS[(None, 7)]
+        # under CUDA-graph capture (stubbed): a new zeroed counter, the stream's left out of the graph
+        monkeypatch.setattr(_triton, "_capturing", lambda device: True)
+        record = _triton.Recording("key")
+        hopper_fwd.forward(q, k, v, causal, record=record, **kw)
+        captured = launches[-1][2][5]
+        assert captured.tolist() == [0] and captured is not counter and len(_triton._TILE_COUNTERS) == 1
+        assert record.counters == [captured]  # a recipe made from it passes each replay's own counter
 
 
 @pytest.mark.parametrize("which", ["dkdv", "dq"])
