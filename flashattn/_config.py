@@ -238,10 +238,10 @@ GLUON_HEAD_DIMS = {"fwd": (128, 256), "bwd_dkdv": (128,), "bwd_dq": (128,)}
 # the D = 256 forward 0.71-0.81x from 2^31 up; the D = 128 backward 0.89-0.92x from 2^32 up without a
 # mask, and with the causal mask 0.83-1.25x at 2^32-2^33 and 0.83-1.00x at 2^34. Eager: the causal
 # Gluon forward read 1.09-1.34x the portable call's wall time at 2^31-2^32 and 0.82-0.95x at 2^33
-# when it allocated and zeroed its tile counter at every call; with the counter kept per stream
-# (flashattn._triton.tile_counter) it read 0.93-1.10x at 2^31-2^32, 2.5-4.2 us slower in 5 of 7
-# shapes (its call also fills a descriptor for O and looks the counter up), and 0.75-0.87x at 2^33
-# (tuning log "A tile counter per stream"), so the causal bars stay. Eager forward + backward read
+# when it allocated and zeroed its tile counter at every call (as it does again); with a counter kept
+# per stream (tried, withdrawn) it read 0.93-1.10x at 2^31-2^32, 2.5-4.2 us slower in 5 of 7 shapes
+# (its call also fills a descriptor for O), and 0.75-0.87x at 2^33 (tuning log "A tile counter per
+# stream"), so the causal bars stay either way. Eager forward + backward read
 # 1.12-1.13x at 2^32 without a mask and 0.83-0.95x at 2^33.
 # Every cell of the benchmark grid (16k tokens, 2048 hidden) from N = 1024 up is at 2^35 or more.
 GLUON_MIN_WORK = {

@@ -517,8 +517,7 @@ class Recording:
         self.steps.append((kernel, direct, grid, args, self.side))
 
     def add_counter(self, x: torch.Tensor) -> None:
-        """``x`` is the :func:`tile_counter` of the call's stream: a replay passes the counter of the
-        stream it launches on (or, under capture, a graph's own)."""
+        """``x`` is the call's :func:`tile_counter`: a replay makes and passes a zeroed one of its own."""
         if not any(c is x for c in self.counters):
             self.counters.append(x)
 
@@ -526,8 +525,8 @@ class Recording:
         """Remember the call as a recipe: ``inputs`` are the tensors (or None) it was given, in the
         order :func:`replay` will get them, ``outputs`` the tensors it allocated, ``free`` the
         per-call integers, in the kernels' order (the dropout seed's halves). Kept only when every
-        launch went through a direct launch and every argument tensor is one of these (or a tile
-        counter of the current stream, :meth:`add_counter`).
+        launch went through a direct launch and every argument tensor is one of these (or the call's
+        tile counter, :meth:`add_counter`).
 
         A tensor in two roles binds both slots to the first of them, which is right only for calls
         that pass one tensor in the same roles: the inputs at positions ``shared`` may be one tensor
@@ -539,7 +538,7 @@ class Recording:
                    for args in entry[3]]
         if (not self.complete or any(x.data_ptr() & 15 for x in tensors) or len(set(others)) < len(others)
                 or not {id(inputs[i]) for i in shared}.isdisjoint(others)
-                or any(a is c for a in on_side for c in self.counters)):  # a replay passes the current stream's
+                or any(a is c for a in on_side for c in self.counters)):  # (counters go with the current stream)
             return
         if len(_RECIPES) > 4096:  # many distinct lengths: start over rather than grow without bound
             _RECIPES.clear()
@@ -661,8 +660,8 @@ class Recipe:
                           for shape, stride, dtype in self.layouts)
         pointers += [x.data_ptr() for x in allocated]
         stream = _stream(device.index)
-        if self.n_counters:  # (held until the launches are queued: under capture it is the graph's own)
-            counter = tile_counter(device, stream)
+        if self.n_counters:  # held until the launches are queued
+            counter = tile_counter(device)
             pointers += [counter.data_ptr()] * self.n_counters
         filled = [fill(pointers[i], *args) for fill, i, args in self.fills]
         for step in self.steps:
@@ -674,29 +673,17 @@ class Recipe:
 
 
 _RECIPES: dict = {}  # a launcher call's key -> its Recipe, or None where its calls cannot be replayed
-_TILE_COUNTERS: dict = {}  # (device index, raw stream) -> that stream's tile counter
 
 
-def tile_counter(device: torch.device, stream: int | None = None) -> torch.Tensor:
-    """A zero int32 for a kernel whose CTAs draw their tiles by adding to it and whose last draw sets
-    it back to zero (the Gluon causal forward's dynamic walk): one per (device, stream), since launches
-    may share one only if they run one after another, as launches on one stream do. ``stream`` is the
-    raw handle of the stream the launch goes to (default: the current one). Under CUDA-graph capture
-    it is a new one, zeroed by a memset the graph captures: a graph may be replayed on any stream."""
-    if _capturing(device):
-        return torch.zeros(1, dtype=torch.int32, device=device)
-    if stream is None:
-        stream = _stream(device.index)
-    key = (device.index, stream)
-    counter = _TILE_COUNTERS.get(key)
-    if counter is None:
-        counter = _TILE_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
-
-
-def _capturing(device: torch.device) -> bool:
-    """Whether the current stream of ``device`` (a CUDA device, the current one) captures a graph."""
-    return device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
+def tile_counter(device: torch.device) -> torch.Tensor:
+    """A zeroed int32 for a kernel whose CTAs draw their tiles by adding to it (the Gluon causal
+    forward's dynamic walk), made for each call: allocated, and zeroed by a memset on the current
+    stream. The kernel's last draw sets it back to zero, so one counter per stream would do, but a
+    tensor kept past the call lives wherever the calling thread allocated it, and while
+    torch.compile's CUDA-graph trees warm a graph up that is the graph's memory pool, where a tensor
+    the graph does not own makes its recording fail (tuning log, "A tile counter per stream,
+    withdrawn")."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def recording(key) -> Recording | None:

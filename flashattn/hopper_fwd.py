@@ -19,7 +19,7 @@ persistent launch the blocks pid, pid + grid, ... of a grid of at most one CTA p
   that buffer: O is staged in the dead Q half, which is released after the store.
 * a persistent walk is static (blocks pid, pid + grid, ...) or dynamic (``DYNAMIC``, the default
   under causal): the producer draws the CTA's next block from a counter all CTAs add to (an int32
-  kept per stream, which the CTA that draws last sets back to zero) and hands its number to the
+  zeroed per call, which the CTA that draws last also sets back to zero) and hands its number to the
   consumers in shared memory, written before the mbarrier arrive that the Q half's TMA completes. Under causal the blocks are numbered in
   sections of ``SECTION`` heads, the longest block of each head of a section first.
   The kernel runs with ``maxnreg=168`` so that the register allocator gives each consumer
@@ -371,8 +371,8 @@ def _build_kernel():
                 tile = gl.num_programs(0) + drawn
             # Every CTA draws until it gets a number past the last tile, so the draws number exactly
             # `tiles` (tiles - grid that succeed, one that fails per CTA) and return 0 .. tiles - 1.
-            # The CTA that drew the last one sets the counter back to zero for the next launch on
-            # its stream: no call zeroes it.
+            # The CTA that drew the last one sets the counter back to zero, so a launch leaves it
+            # as it found it (the package still zeroes one per call: flashattn._triton.tile_counter).
             if drawn == tiles - 1:
                 gl.atomic_xchg(counter_ptr, 0, sem="relaxed")
             # No tile left: a tile number past the end wakes the consumers, which then stop.
@@ -758,9 +758,8 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     assert q_buffers in (1, 2) and (q_buffers == 1 or D <= 128), "two Q buffers fit shared memory up to D = 128"
     q_desc, k_desc, v_desc, o_desc = (descriptor(q, HALF_M), descriptor(k, block_n), descriptor(v, block_n),
                                       descriptor(o, HALF_M))
-    # A dynamic walk's tile counter: zero when the launch starts and again when it ends (the last
-    # draw resets it), one per stream so that launches sharing one run one after the other, and
-    # under CUDA-graph capture the graph's own (flashattn._triton.tile_counter).
+    # A dynamic walk's tile counter, zeroed for this call (flashattn._triton.tile_counter), so that
+    # calls on different streams, or the replays of a captured graph, never share one.
     counter = tile_counter(q.device) if dynamic else lse
     if dynamic and record is not None:
         record.add_counter(counter)

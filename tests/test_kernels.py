@@ -670,13 +670,13 @@ def test_gpu_cuda_graph_replay_matches_eager(causal, dq_stream, monkeypatch):
         assert torch.equal(got, want)
 
 
-def test_a_recipe_passes_the_tile_counter_of_the_stream_it_launches_on(monkeypatch):
-    """A tile counter a call recorded (Recording.add_counter: the Gluon causal forward's) is, at each
-    replay, the counter of the stream the replay launches on: one per (device, stream), the same on
-    that stream every time, another on another stream, and under CUDA-graph capture a new zeroed one
-    per call. The outputs are allocated in their recorded layout and not zeroed, and no counter is
-    returned. A counter a launch on a side stream drew from keeps no recipe. Runs on the CPU: the
-    launch is a stand-in that records the pointers it was given (benchmarks.hostcost)."""
+def test_a_recipe_zeroes_a_tile_counter_of_its_own_at_every_replay(monkeypatch):
+    """A tile counter a call recorded (Recording.add_counter: the Gluon causal forward's) is made
+    again and zeroed at each replay, before the launch that reads it, even when the launch before
+    left its counter's memory non-zero, and is not returned; the outputs are allocated in their
+    recorded layout and not zeroed. A counter a launch on a side stream drew from keeps no recipe.
+    Runs on the CPU: the launch is a stand-in that reads, then dirties, the counter's memory
+    (benchmarks.hostcost)."""
     import ctypes
     from types import SimpleNamespace
 
@@ -688,16 +688,14 @@ def test_a_recipe_passes_the_tile_counter_of_the_stream_it_launches_on(monkeypat
     class Reading(_NoLaunch):
         def __call__(self, *args):  # the generated launcher's arguments: 12 of its own, then the kernel's
             super().__call__(*args)
-            seen.append((args[-1], ctypes.c_int32.from_address(args[-1]).value))
+            value = ctypes.c_int32.from_address(args[-1])
+            seen.append(value.value)
+            value.value = 7  # as if the kernel had left it non-zero
 
     kernel = SimpleNamespace(arg_names=["inp", "out", "counter"])
     direct = Reading(capture=True).direct(kernel)
-    stream = [5]
-    capturing = [False]
     monkeypatch.setattr(_triton, "_RECIPES", {})
-    monkeypatch.setattr(_triton, "_TILE_COUNTERS", {})
-    monkeypatch.setattr(_triton, "_stream", lambda device: stream[0])
-    monkeypatch.setattr(_triton, "_capturing", lambda device: capturing[0])
+    monkeypatch.setattr(_triton, "_stream", lambda device: 0)
     empty = torch.empty_strided
     monkeypatch.setattr(torch, "empty_strided", lambda *a, **k: empty(*a, **k).fill_(7))  # stale memory
 
@@ -710,20 +708,11 @@ def test_a_recipe_passes_the_tile_counter_of_the_stream_it_launches_on(monkeypat
     record.keep((inp,), (out,))
     recipe = _triton._RECIPES["key"]
     assert recipe is not None and recipe.n_counters == 1 and len(recipe.layouts) == 1
-    pointers = {}
-    for s_, capture in ((5, False), (5, False), (6, False), (5, False), (5, True), (5, True)):
-        stream[0], capturing[0] = s_, capture
+    for _ in range(3):
         replayed = _triton.replay("key", (torch.randn(4, 8),))
         assert len(replayed) == 1 and replayed[0].shape == (4, 8) and replayed[0].stride() == (1, 4)
         assert (replayed[0] == 7).all()  # an output is the kernel's to write: not zeroed
-        pointer, value = seen[-1]
-        assert value == 0
-        if capture:
-            assert pointer not in pointers.values()  # the graph's own counter
-        else:
-            assert pointers.setdefault(s_, pointer) == pointer  # that stream's, every time
-            assert pointer == _triton.tile_counter(inp.device, s_).data_ptr()
-    assert pointers[5] == counter.data_ptr() and pointers[6] != pointers[5]
+    assert seen == [0, 0, 0]  # each replay's launch found its counter zeroed
 
     monkeypatch.setattr(_triton, "_RECIPES", {})
     record = _triton.Recording("side")
@@ -1065,12 +1054,13 @@ _WALKS = {  # hopper_fwd.forward's knobs for each way of walking the query block
     (4, 36, 36, 1500, 700),  # N > M: under causal the first 800 rows of a head see no key
     (1, 3, 1, 129, 64),      # fewer blocks than SMs; sections larger than B * H
 ])
-def test_hopper_forward_persistent_matches_float64_and_one_cta_per_block(walk, d, causal, b, h_q, h_kv, n, m):
+def test_hopper_forward_persistent_matches_float64_and_one_cta_per_block(monkeypatch, walk, d, causal, b, h_q, h_kv,
+                                                                         n, m):
     """A persistent launch (CTAs walking query blocks, the K/V ring and the Q and O buffers carried
     from block to block; statically or drawing blocks from a counter, in sections of heads, with one
     or two Q buffers) gives the same bits as one CTA per block, and float64's answer, with either
-    mask and where blocks have unequal work; a dynamic walk twice in a row gives them again, and
-    leaves its stream's tile counter at zero (the last draw resets it: no call zeroes it)."""
+    mask and where blocks have unequal work; a dynamic walk twice in a row gives them again, drawing
+    from one counter that no call zeroes (handed to it here): its last draw leaves it at zero."""
     from flashattn import _triton, hopper_fwd
 
     if _WALKS[walk].get("q_buffers") == 2 and d > 128:
@@ -1079,10 +1069,13 @@ def test_hopper_forward_persistent_matches_float64_and_one_cta_per_block(walk, d
     if not hopper_fwd.supported(q, k, v, causal):
         pytest.skip("the Gluon forward runs on sm_90 with Triton 3.6 only")
     o1, lse1 = hopper_fwd.forward(q, k, v, causal, persistent=False)
+    counter = _triton.tile_counter(q.device)
+    if _WALKS[walk]["dynamic"]:
+        monkeypatch.setattr(_triton, "tile_counter", lambda device: counter)  # one counter for both calls
     for _ in range(2 if _WALKS[walk]["dynamic"] else 1):
         o, lse = hopper_fwd.forward(q, k, v, causal, **_WALKS[walk])
         assert torch.equal(o, o1) and torch.equal(lse, lse1)
-        assert _triton.tile_counter(q.device).item() == 0
+        assert counter.item() == 0
     o64, lse64 = naive_attention(q.double(), k.double(), v.double(), causal=causal)
     o16, lse16 = naive_attention(q, k, v, causal=causal)
     assert_close_ratio("o", o, o64, o16)
@@ -1092,24 +1085,20 @@ def test_hopper_forward_persistent_matches_float64_and_one_cta_per_block(walk, d
 @gpu
 @needs_cuda
 def test_hopper_forward_dynamic_walks_on_two_streams_at_once_keep_their_own_counters():
-    """Two causal forwards with a dynamic walk running at the same time on two streams (each stream
-    draws from a tile counter of its own) give the bits of one CTA per block, and leave both
-    counters at zero."""
-    from flashattn import _triton, hopper_fwd
+    """Two causal forwards with a dynamic walk running at the same time on two streams (each call
+    zeroes a counter of its own) give the bits of one CTA per block."""
+    from flashattn import hopper_fwd
 
     inputs = [random_qkv(4, 32, 8, 2048, 2048, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
     if not hopper_fwd.supported(*inputs[0], True):
         pytest.skip("the Gluon forward runs on sm_90 with Triton 3.6 only")
     expected = [hopper_fwd.forward(*x, True, persistent=False) for x in inputs]
-    streams = _on_two_streams_at_once(lambda x: hopper_fwd.forward(*x, True, persistent=True, dynamic=True),
-                                      inputs, expected)
-    for stream in streams:
-        assert _triton.tile_counter(stream.device, stream.cuda_stream).item() == 0
+    _on_two_streams_at_once(lambda x: hopper_fwd.forward(*x, True, persistent=True, dynamic=True), inputs, expected)
 
 
 def _on_two_streams_at_once(call, inputs, expected, rounds=3):
     """``call(x)`` for each of ``inputs`` on a stream of its own, all queued before one synchronize,
-    ``rounds`` times; each round's results must be bitwise ``expected``'s. Returns the streams."""
+    ``rounds`` times; each round's results must be bitwise ``expected``'s."""
     streams = [torch.cuda.Stream() for _ in inputs]
     torch.cuda.synchronize()
     for _ in range(rounds):
@@ -1120,7 +1109,6 @@ def _on_two_streams_at_once(call, inputs, expected, rounds=3):
         torch.cuda.synchronize()
         for got, want in zip(outs, expected):
             assert all(torch.equal(a, b) for a, b in zip(got, want))
-    return streams
 
 
 def _walk_order(batch_heads, num_mb, causal, section):
@@ -1243,12 +1231,10 @@ def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d,
                                                                  section, qbufs):
     """hopper_fwd.forward's host code up to the launch, on the CPU (the kernel, the descriptors and
     the SM count stubbed): the grid, the walk's constexprs (the Q buffers included), the section and
-    for a dynamic walk the zero tile counter of the current stream, or under capture a new one."""
+    for a dynamic walk a zeroed counter of its own, which a recording keeps as the call's counter."""
     from flashattn import _config, _triton, hopper_fwd
 
     launches = []
-    monkeypatch.setattr(_triton, "_TILE_COUNTERS", {})
-    monkeypatch.setattr(_triton, "_stream", lambda device: 7)
     monkeypatch.setattr(hopper_fwd, "_get_kernel", lambda: "kernel")
     monkeypatch.setattr(hopper_fwd, "descriptor", lambda t, rows: ("desc", rows))
     monkeypatch.setattr(hopper_fwd, "launch", lambda *a, **k: launches.append(a))
@@ -1262,15 +1248,12 @@ def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d,
     counter, bh, sect = args[5], args[6], args[11]
     assert bh == 256 and sect == section
     if dynamic:
-        assert counter.dtype == torch.int32 and counter.tolist() == [0]
-        assert counter is _triton._TILE_COUNTERS[(None, 7)]
-        # under CUDA-graph capture (stubbed): a new zeroed counter, the stream's left out of the graph
-        monkeypatch.setattr(_triton, "_capturing", lambda device: True)
+        assert counter.dtype == torch.int32 and counter.tolist() == [0] and counter is not lse
         record = _triton.Recording("key")
         hopper_fwd.forward(q, k, v, causal, record=record, **kw)
-        captured = launches[-1][2][5]
-        assert captured.tolist() == [0] and captured is not counter and len(_triton._TILE_COUNTERS) == 1
-        assert record.counters == [captured]  # a recipe made from it passes each replay's own counter
+        again = launches[-1][2][5]
+        assert again.tolist() == [0] and again is not counter  # a counter per call
+        assert record.counters == [again]  # a recipe made from it makes each replay's own
 
 
 @pytest.mark.parametrize("which", ["dkdv", "dq"])
@@ -1367,11 +1350,10 @@ def test_gluon_dq_kernel_matches_float64(monkeypatch, dtype, d, b, h_q, h_kv, n,
 
 @gpu
 @needs_cuda
-def test_gpu_replayed_gluon_causal_forwards_share_a_stream_counter_not_a_graph_one():
-    """The public forward's Gluon causal kernel draws its tiles from its stream's counter: replayed
+def test_gpu_replayed_gluon_causal_forwards_on_two_streams_and_in_a_graph():
+    """The public forward's Gluon causal kernel, each call with a tile counter of its own: replayed
     calls on two streams at once, calls on the default stream between the replays of a graph captured
-    on a side stream, and the graph's replays all give the bits of the first call, and every stream's
-    counter is zero afterwards (the counter the graph captured is its own)."""
+    on a side stream, and the graph's replays all give the bits of the first call."""
     from flashattn import _triton
 
     inputs = [_inputs(4, 32, 8, 2048, 2048, 128, torch.bfloat16, seed=41 + i)[:3] for i in range(2)]
@@ -1379,7 +1361,7 @@ def test_gpu_replayed_gluon_causal_forwards_share_a_stream_counter_not_a_graph_o
         pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
     problem = Problem.of(inputs[0][0], inputs[0][1], True)
     expected = [attention_forward(*x, problem) for x in inputs]  # the first records the recipe
-    streams = _on_two_streams_at_once(lambda x: attention_forward(*x, problem), inputs, expected)
+    _on_two_streams_at_once(lambda x: attention_forward(*x, problem), inputs, expected)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = attention_forward(*inputs[0], problem)
@@ -1389,8 +1371,6 @@ def test_gpu_replayed_gluon_causal_forwards_share_a_stream_counter_not_a_graph_o
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(captured, expected[0]))
         assert all(torch.equal(a, b) for a, b in zip(eager, expected[1]))
-    for stream in (*streams, torch.cuda.current_stream()):
-        assert _triton.tile_counter(stream.device, stream.cuda_stream).item() == 0
     assert _triton._RECIPES  # the calls were replayed, not only recorded
 
 
@@ -1418,7 +1398,7 @@ def test_gluon_kernels_at_the_default_bar_match_float64_and_repeat_bitwise(causa
     with torch.cuda.graph(graph):
         og, lseg = attention_forward(q, k, v, problem)
         grads = attention_backward(do, q, k, v, og, lseg, problem)
-    for _ in range(2):  # the causal forward's tile counter is the graph's own, zeroed by a captured memset
+    for _ in range(2):  # a replay zeroes the causal forward's tile counter again (a captured memset)
         og.zero_()
         graph.replay()
         torch.cuda.synchronize()
