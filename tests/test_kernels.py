@@ -723,6 +723,79 @@ def test_a_recipe_zeroes_a_tile_counter_of_its_own_at_every_replay(monkeypatch):
     assert "side" not in _triton._RECIPES
 
 
+def _tensors_kept_by_the_package():
+    """Tensors reachable from the globals of flashattn's modules (through dicts, lists, tuples, sets
+    and objects' attributes, a few levels deep; modules, classes and functions are not followed)."""
+    import sys
+    import types
+
+    found, seen = [], set()
+
+    def walk(x, depth, path):
+        if id(x) in seen or depth > 5:
+            return
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            found.append(path)
+        elif isinstance(x, dict):
+            for k_, v_ in list(x.items()):
+                walk(k_, depth + 1, f"{path}[key]")
+                walk(v_, depth + 1, f"{path}[{k_!r:.40}]")
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            for i, v_ in enumerate(list(x)):
+                walk(v_, depth + 1, f"{path}[{i}]")
+        elif isinstance(x, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, str, bytes,
+                            int, float, bool)) or x is None or callable(x) and not hasattr(x, "__slots__"):
+            return
+        else:
+            for name in (*getattr(type(x), "__slots__", ()), *getattr(x, "__dict__", {})):
+                if hasattr(x, name):
+                    walk(getattr(x, name), depth + 1, f"{path}.{name}")
+
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name == "flashattn" or mod_name.startswith("flashattn."):
+            for name, value in list(vars(mod).items()):
+                if not name.startswith("__"):
+                    walk(value, 0, f"{mod_name}.{name}")
+    return found
+
+
+def test_calls_keep_no_tensor_past_their_end(monkeypatch):
+    """Nothing the package keeps between calls (recipes, plans, caches) holds a tensor: a tensor kept
+    past a call lives in whatever memory pool the call allocated from, and under
+    torch.compile(mode="reduce-overhead") that can be a CUDA graph's, whose next recording then fails
+    (tuning log, "A tile counter per stream, withdrawn"). Forward and backward, decoding steps, first
+    and replayed calls, and the Gluon causal forward's host code (its kernel stubbed), on the CPU with
+    benchmarks.hostcost's no-op launches."""
+    from benchmarks import hostcost
+    from flashattn import _config, _triton, hopper_fwd
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the tool refuses the interpreter; kernels count as compiled
+    monkeypatch.setattr(hopper_fwd, "_get_kernel", lambda: "kernel")
+    monkeypatch.setattr(hopper_fwd, "descriptor", lambda t, rows: ("desc", rows))
+    monkeypatch.setattr(hopper_fwd, "launch", lambda *a, **k: None)
+    monkeypatch.setattr(_config, "_sm_count", lambda index: 132)
+    gen = torch.Generator().manual_seed(3)
+    with hostcost.launches_disabled():
+        for causal in (False, True):
+            for _ in range(3):  # the first call records, the later ones replay
+                q, k, v = (torch.randn(2, 4, 96, 64, dtype=torch.float16, generator=gen).requires_grad_()
+                           for _ in range(3))
+                o, lse = flashattn.attention(q, k, v, causal=causal, return_lse=True)
+                torch.autograd.grad((o.float().sum() + lse.sum()), (q, k, v))
+        for _ in range(3):  # decoding steps with split-KV scratch, first and replayed
+            q = torch.randn(2, 1, 8, 64, dtype=torch.float16, generator=gen)
+            cache = [torch.randn(2, 96, 2, 64, dtype=torch.float16, generator=gen) for _ in range(2)]
+            flashattn.attention_with_kvcache(q, *cache, cache_seqlens=70, num_splits=2)
+        q, k, v = (torch.randn(4, 8, 512, 128, dtype=torch.bfloat16, generator=gen) for _ in range(3))
+        record = _triton.Recording("gluon")
+        hopper_fwd.forward(q, k, v, True, record=record)  # a dynamic walk: its tile counter
+        del record, q, k, v, o, lse, cache
+        assert _triton._RECIPES  # recipes were kept, and hold no tensor
+        assert _tensors_kept_by_the_package() == []
+    assert _tensors_kept_by_the_package() == []
+
+
 def test_direct_launch_only_for_the_launcher_it_knows():
     """The direct launch (flashattn._triton._DirectLaunch) is built only from a compiled kernel whose
     launcher has the layout it was written for; anything else keeps Triton's own launch path. A launch
