@@ -241,8 +241,8 @@ GLUON_HEAD_DIMS = {"fwd": (128, 256), "bwd_dkdv": (128,), "bwd_dq": (128,)}
 # when it allocated and zeroed its tile counter at every call (as it does again); with a counter kept
 # per stream (tried, withdrawn) it read 0.93-1.10x at 2^31-2^32, 2.5-4.2 us slower in 5 of 7 shapes
 # (its call also fills a descriptor for O), and 0.75-0.87x at 2^33 (tuning log "A tile counter per
-# stream"), so the causal bars stay either way. Eager forward + backward read
-# 1.12-1.13x at 2^32 without a mask and 0.83-0.95x at 2^33.
+# stream"), so the causal bars stay either way. Eager forward + backward read 1.12-1.13x at 2^32
+# without a mask and 0.83-0.95x at 2^33.
 # Every cell of the benchmark grid (16k tokens, 2048 hidden) from N = 1024 up is at 2^35 or more.
 GLUON_MIN_WORK = {
     ("fwd", 128): (2**31, 2**33),

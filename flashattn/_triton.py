@@ -538,7 +538,7 @@ class Recording:
                    for args in entry[3]]
         if (not self.complete or any(x.data_ptr() & 15 for x in tensors) or len(set(others)) < len(others)
                 or not {id(inputs[i]) for i in shared}.isdisjoint(others)
-                or any(a is c for a in on_side for c in self.counters)):  # (counters go with the current stream)
+                or any(a is c for a in on_side for c in self.counters)):  # counters: current-stream launches only
             return
         if len(_RECIPES) > 4096:  # many distinct lengths: start over rather than grow without bound
             _RECIPES.clear()

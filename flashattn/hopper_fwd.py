@@ -20,8 +20,9 @@ persistent launch the blocks pid, pid + grid, ... of a grid of at most one CTA p
 * a persistent walk is static (blocks pid, pid + grid, ...) or dynamic (``DYNAMIC``, the default
   under causal): the producer draws the CTA's next block from a counter all CTAs add to (an int32
   zeroed per call, which the CTA that draws last also sets back to zero) and hands its number to the
-  consumers in shared memory, written before the mbarrier arrive that the Q half's TMA completes. Under causal the blocks are numbered in
-  sections of ``SECTION`` heads, the longest block of each head of a section first.
+  consumers in shared memory, written before the mbarrier arrive that the Q half's TMA completes.
+  Under causal the blocks are numbered in sections of ``SECTION`` heads, the longest block of each
+  head of a section first.
   The kernel runs with ``maxnreg=168`` so that the register allocator gives each consumer
   warpgroup 240 registers per thread (12 warps * 168 = 4 * 240 + 4 * 240 + 4 * 24).
 * K and V of a slot have separate "full" mbarriers (expect-tx, completed by TMA) and separate

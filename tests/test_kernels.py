@@ -723,6 +723,17 @@ def test_a_recipe_zeroes_a_tile_counter_of_its_own_at_every_replay(monkeypatch):
     assert "side" not in _triton._RECIPES
 
 
+def _stub_gluon_forward_launch(monkeypatch, launches: list) -> None:
+    """hopper_fwd.forward's host code without a GPU: the kernel, the descriptors and a 132-SM count
+    stubbed, each launch's positional arguments appended to ``launches``."""
+    from flashattn import _config, hopper_fwd
+
+    monkeypatch.setattr(hopper_fwd, "_get_kernel", lambda: "kernel")
+    monkeypatch.setattr(hopper_fwd, "descriptor", lambda t, rows: ("desc", rows))
+    monkeypatch.setattr(hopper_fwd, "launch", lambda *a, **k: launches.append(a))
+    monkeypatch.setattr(_config, "_sm_count", lambda index: 132)
+
+
 def _tensors_kept_by_the_package():
     """Tensors reachable from the globals of flashattn's modules (through dicts, lists, tuples, sets
     and objects' attributes, a few levels deep; modules, classes and functions are not followed)."""
@@ -768,13 +779,10 @@ def test_calls_keep_no_tensor_past_their_end(monkeypatch):
     and replayed calls, and the Gluon causal forward's host code (its kernel stubbed), on the CPU with
     benchmarks.hostcost's no-op launches."""
     from benchmarks import hostcost
-    from flashattn import _config, _triton, hopper_fwd
+    from flashattn import _triton, hopper_fwd
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the tool refuses the interpreter; kernels count as compiled
-    monkeypatch.setattr(hopper_fwd, "_get_kernel", lambda: "kernel")
-    monkeypatch.setattr(hopper_fwd, "descriptor", lambda t, rows: ("desc", rows))
-    monkeypatch.setattr(hopper_fwd, "launch", lambda *a, **k: None)
-    monkeypatch.setattr(_config, "_sm_count", lambda index: 132)
+    _stub_gluon_forward_launch(monkeypatch, [])
     gen = torch.Generator().manual_seed(3)
     with hostcost.launches_disabled():
         for causal in (False, True):
@@ -1305,13 +1313,10 @@ def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d,
     """hopper_fwd.forward's host code up to the launch, on the CPU (the kernel, the descriptors and
     the SM count stubbed): the grid, the walk's constexprs (the Q buffers included), the section and
     for a dynamic walk a zeroed counter of its own, which a recording keeps as the call's counter."""
-    from flashattn import _config, _triton, hopper_fwd
+    from flashattn import _triton, hopper_fwd
 
     launches = []
-    monkeypatch.setattr(hopper_fwd, "_get_kernel", lambda: "kernel")
-    monkeypatch.setattr(hopper_fwd, "descriptor", lambda t, rows: ("desc", rows))
-    monkeypatch.setattr(hopper_fwd, "launch", lambda *a, **k: launches.append(a))
-    monkeypatch.setattr(_config, "_sm_count", lambda index: 132)
+    _stub_gluon_forward_launch(monkeypatch, launches)
     q, k, v = (torch.randn(32, 8, 1024, d, dtype=torch.bfloat16) for _ in range(3))
     o, lse = hopper_fwd.forward(q, k, v, causal, **kw)
     assert o.shape == q.shape and lse.shape == (32, 8, 1024)
