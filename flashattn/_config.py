@@ -227,8 +227,9 @@ def tuning(*, fwd: KernelConfig | None = None, bwd_dkdv: KernelConfig | None = N
 # "The Gluon forward at D = 256"). The dK/dV kernel keeps dK and dV of 64 keys per warpgroup in
 # registers, 2 * 64 * D / 128 floats per thread: at D = 256 that is 256, over the 240 a thread gets.
 # The dQ kernel in Gluon (flashattn.hopper_bwd.dq) made the D = 128 backward 1-8% faster in an A/B
-# and D = 64 3-10% slower (tuning log "A dQ kernel in Gluon"), so it runs at D = 128 only.
-GLUON_HEAD_DIMS = {"fwd": (128, 256), "bwd_dkdv": (128,), "bwd_dq": (128,)}
+# and D = 64 3-10% slower (tuning log "A dQ kernel in Gluon"); at D = 256, in 32-key steps, 0-14%
+# faster at every grid setting (H100, tuning log "dQ in Gluon at D = 256"), so it runs at 128 and 256.
+GLUON_HEAD_DIMS = {"fwd": (128, 256), "bwd_dkdv": (128,), "bwd_dq": (128, 256)}
 # B * Hq * N * M * D below which the portable kernels run, per (kernel, head dim): (without a mask,
 # causal). Measured on an H200 (bf16, Gluon and portable in turns, tuning log "The Gluon bar, again")
 # once repeated calls replayed Gluon launches too (flashattn._triton.Recipe), by two yardsticks: GPU
@@ -242,13 +243,16 @@ GLUON_HEAD_DIMS = {"fwd": (128, 256), "bwd_dkdv": (128,), "bwd_dq": (128,)}
 # per stream (tried, withdrawn) it read 0.93-1.10x at 2^31-2^32, 2.5-4.2 us slower in 5 of 7 shapes
 # (its call also fills a descriptor for O), and 0.75-0.87x at 2^33 (tuning log "A tile counter per
 # stream"), so the causal bars stay either way. Eager forward + backward read 1.12-1.13x at 2^32
-# without a mask and 0.83-0.95x at 2^33.
+# without a mask and 0.83-0.95x at 2^33. The D = 256 dQ in Gluon over portable, whole backward (H200,
+# tuning log "dQ in Gluon at D = 256"): GPU time 1.09-1.11x below 2^32, 0.93-0.94x from 2^32 without a
+# mask; causal 1.03-1.10x at 2^32-2^33, 0.95-0.97x from 2^34; eager wall never above 1.0x past the bars.
 # Every cell of the benchmark grid (16k tokens, 2048 hidden) from N = 1024 up is at 2^35 or more.
 GLUON_MIN_WORK = {
     ("fwd", 128): (2**31, 2**33),
     ("fwd", 256): (2**32, 2**33),
     ("bwd_dkdv", 128): (2**33, 2**34),
     ("bwd_dq", 128): (2**33, 2**34),
+    ("bwd_dq", 256): (2**32, 2**34),
 }
 _GLUON: dict = {}  # (kernel, problem, device index) -> whether the Gluon kernel runs it
 

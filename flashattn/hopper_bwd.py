@@ -6,7 +6,7 @@ It computes what :func:`flashattn.backward._bwd_dkdv_kernel` computes for plain 
 variant, dense inputs), reading the same scratch rows: ``lse2`` (the forward's LSE in base 2, with
 the rows that saw no key pivoted at 0) and ``delta`` (rowsum(dO * O)), both float32 (B, Hq, N).
 The module also builds a dQ kernel in Gluon (:func:`dq`, laid out like the forward: one CTA per 128
-query rows), dispatched at D = 128 (``flashattn._config.GLUON_HEAD_DIMS``).
+query rows), dispatched at D = 128 and 256 (``flashattn._config.GLUON_HEAD_DIMS``).
 
 Design (one CTA per 128-row key block of one (batch, K/V head)):
 
@@ -277,9 +277,13 @@ def dkdv(q, k, v, do, lse2, delta, dk, dv, causal: bool, scale: float, stages: i
 
 
 # dQ in Gluon: one CTA per 128 query rows of one (batch, query head), built like the forward (two
-# consumer warpgroups of 64 rows, a TMA producer warp, a K/V ring); dispatched at D = 128.
+# consumer warpgroups of 64 rows, a TMA producer warp, a K/V ring); dispatched at D = 128 and 256.
 DQ_BLOCK_N = 64        # keys per step
 DQ_STAGES = 3          # K/V ring depth: K_j stays in its slot until dQ += dS_j K_j completes, a step later
+DQ_HEAD_DIMS = (64, 128, 256)
+# at D = 256, 32-key steps: beside the Q and dO halves (128 KiB), a ring of 64-key K and V tiles takes
+# 64 KiB a stage, over the 227 KiB a CTA can have from two stages; 32-key ones in three stages: 224 KiB
+DQ_BLOCK_N_256 = 32
 
 
 def _build_dq_kernel():
@@ -454,8 +458,8 @@ def dq(q, k, v, do, lse2, delta, dq_out, causal: bool, scale: float, block_n: in
        stages: int | None = None, record=None) -> None:
     """Fill ``dq_out`` (laid out like q, head dim contiguous) for plain attention; the inputs are those
     of :func:`dkdv`. The backward runs it where ``flashattn._config.gluon_kernel("bwd_dq", ...)``
-    says so: large plain problems at D = 128 (tuning log, "A dQ kernel in Gluon" and "Run 25"). A
-    ``record`` keeps the launch for a recipe."""
+    says so: large plain problems at D = 128 and 256 (tuning log, "A dQ kernel in Gluon", "Run 25" and
+    "dQ in Gluon at D = 256"). A ``record`` keeps the launch for a recipe."""
     from flashattn._triton import ceil_div
     from flashattn.constants import LOG2E
 
@@ -464,8 +468,8 @@ def dq(q, k, v, do, lse2, delta, dq_out, causal: bool, scale: float, block_n: in
         raise RuntimeError(f"Gluon Hopper dQ kernel unavailable: {_get_dq_kernel.error!r}")
     B, Hq, N, D = q.shape
     _, Hkv, M, _ = k.shape
-    assert D in HEAD_DIMS and scale > 0
-    block_n = block_n or DQ_BLOCK_N
+    assert D in DQ_HEAD_DIMS and scale > 0
+    block_n = block_n or (DQ_BLOCK_N_256 if D == 256 else DQ_BLOCK_N)
     describe = hopper_fwd.descriptor
     # laid out per query block like the forward: 128 rows per CTA, 64 per consumer warpgroup
     hopper_fwd.launch(kernel, ceil_div(N, hopper_fwd.BLOCK_M) * B * Hq,

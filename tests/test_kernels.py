@@ -1060,7 +1060,13 @@ def test_gluon_kernels_run_only_where_the_rule_says(monkeypatch):
     assert not _config.gluon_kernel("fwd", _problem(n=255, causal=False), gpu0)
     for d in (64, 72, 96, 256):
         assert not _config.gluon_kernel("bwd_dkdv", _problem(d=d, n=8192), gpu0)
+    for d in (64, 72, 96, 160):
         assert not _config.gluon_kernel("bwd_dq", _problem(d=d, n=8192), gpu0)
+    # dQ at D = 256: 2^32 without a mask, 2^34 causal (2 * 8 * n * 1024 * 256 = 2^22 n)
+    assert _config.gluon_kernel("bwd_dq", _problem(d=256, n=1024, m=1024, causal=False), gpu0)
+    assert not _config.gluon_kernel("bwd_dq", _problem(d=256, n=1023, m=1024, causal=False), gpu0)
+    assert _config.gluon_kernel("bwd_dq", _problem(d=256, n=4096, m=1024, causal=True), gpu0)
+    assert not _config.gluon_kernel("bwd_dq", _problem(d=256, n=4095, m=1024, causal=True), gpu0)
     for d in (64, 72, 96, 160):
         assert not _config.gluon_kernel("fwd", _problem(d=d, n=8192), gpu0)
     assert _config.gluon_kernel("fwd", _problem(d=256, n=1025, m=1025, causal=False), gpu0)  # 2 * 8 * 1025^2 * 256 >= 2^32
@@ -1409,15 +1415,15 @@ def test_gluon_kernels_match_float64(monkeypatch, dtype, d, b, h_q, h_kv, n, m, 
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("b, h_q, h_kv, n, m, causal, layout, std", _GLUON_CASES + [
     (1, 2, 2, 200, 64, True, "bhnd", 1.0),  # one key block, ragged query blocks
 ])
 def test_gluon_dq_kernel_matches_float64(monkeypatch, dtype, d, b, h_q, h_kv, n, m, causal, layout, std):
-    """The Gluon dQ kernel (dispatched at D = 128 by default; built for D = 64 too) with the rest of
-    the backward, against float64: the rule is opened to it at every size for this test."""
+    """The Gluon dQ kernel (dispatched at D = 128 and 256 by default; built for D = 64 too) with the
+    rest of the backward, against float64: the rule is opened to it at every size for this test."""
     monkeypatch.setattr(_config, "GLUON_MIN_WORK", collections.defaultdict(lambda: (0, 0)))
-    monkeypatch.setattr(_config, "GLUON_HEAD_DIMS", {"fwd": (), "bwd_dkdv": (), "bwd_dq": (64, 128)})
+    monkeypatch.setattr(_config, "GLUON_HEAD_DIMS", {"fwd": (), "bwd_dkdv": (), "bwd_dq": (64, 128, 256)})
     monkeypatch.setattr(_config, "_GLUON", {})
     q, k, v, do = _inputs(b, h_q, h_kv, n, m, d, dtype, layout=layout, std=std, seed=n + 3 * m + d)
     if not _gluon_dispatched(q, k, causal, ("bwd_dq",))["bwd_dq"]:
@@ -1458,14 +1464,14 @@ def test_gpu_replayed_gluon_causal_forwards_on_two_streams_and_in_a_graph():
 @pytest.mark.parametrize("d", [128, 256])
 def test_gluon_kernels_at_the_default_bar_match_float64_and_repeat_bitwise(causal, d):
     """At the real dispatch bars (GLUON_MIN_WORK) the public API runs the Gluon kernels (at D = 256
-    the forward alone; at D = 128 the forward, dK/dV and dQ): float64 check, two backward passes
+    the forward and dQ; at D = 128 the forward, dK/dV and dQ): float64 check, two backward passes
     bitwise equal, the same bits under a CUDA graph, and the launcher's direct path still on after them."""
-    n = 2897 if d == 128 else 1449  # 2 * 8 * n^2 * d just above the highest bar: 2^34 at D = 128, 2^33 at 256
+    n = 2897 if d == 128 else 2049  # 2 * 8 * n^2 * d just above the highest bar: 2^34 at D = 128 and 256
     q, k, v, do = _inputs(2, 8, 2, n, n, d, torch.bfloat16, seed=23)
     dispatched = _gluon_dispatched(q, k, causal)
     if not any(dispatched.values()):
         pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
-    assert dispatched == {"fwd": True, "bwd_dkdv": d == 128, "bwd_dq": d == 128}
+    assert dispatched == {"fwd": True, "bwd_dkdv": d == 128, "bwd_dq": True}
     _check_against_reference(q, k, v, do, causal, d ** -0.5)
     problem = Problem.of(q, k, causal)
     o, lse = attention_forward(q, k, v, problem)
