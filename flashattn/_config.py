@@ -227,8 +227,9 @@ def tuning(*, fwd: KernelConfig | None = None, bwd_dkdv: KernelConfig | None = N
 # "The Gluon forward at D = 256"). The dK/dV kernel keeps dK and dV of 64 keys per warpgroup in
 # registers, 2 * 64 * D / 128 floats per thread: at D = 256 that is 256, over the 240 a thread gets.
 # The dQ kernel in Gluon (flashattn.hopper_bwd.dq) made the D = 128 backward 1-8% faster in an A/B
-# and D = 64 3-10% slower (tuning log "A dQ kernel in Gluon"); at D = 256, in 32-key steps, 0-14%
-# faster at every grid setting (H100, tuning log "dQ in Gluon at D = 256"), so it runs at 128 and 256.
+# and D = 64 3-10% slower (tuning log "A dQ kernel in Gluon"); at D = 256, in 32-key steps, it read
+# 0.997-1.131x the portable backward's TFLOP/s over the grid's 20 settings, above 1 in 19 (H100, tuning
+# log "dQ in Gluon at D = 256"), so it runs at 128 and 256.
 GLUON_HEAD_DIMS = {"fwd": (128, 256), "bwd_dkdv": (128,), "bwd_dq": (128, 256)}
 # B * Hq * N * M * D below which the portable kernels run, per (kernel, head dim): (without a mask,
 # causal). Measured on an H200 (bf16, Gluon and portable in turns, tuning log "The Gluon bar, again")

@@ -1340,12 +1340,13 @@ def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d,
         assert record.counters == [again]  # a recipe made from it makes each replay's own
 
 
-@pytest.mark.parametrize("which", ["dkdv", "dq"])
+@pytest.mark.parametrize("which, d", [("dkdv", 128), ("dq", 128), ("dq", 256)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_hopper_backward_host_code_launches_one_cta_per_block(monkeypatch, which, causal):
+def test_hopper_backward_host_code_launches_one_cta_per_block(monkeypatch, which, d, causal):
     """hopper_bwd.dkdv's and hopper_bwd.dq's host code up to the launch, on the CPU (the kernels and
     the descriptors stubbed): one CTA per block of keys (dK/dV) or of 128 query rows (dQ), the scale
-    in base 2 and as given, the outputs described for TMA."""
+    in base 2 and as given, the outputs described for TMA; dQ's K and V tiles of 64 keys, and of 32 at
+    D = 256 (what fits shared memory there)."""
     from flashattn import hopper_bwd, hopper_fwd
     from flashattn.constants import LOG2E
 
@@ -1354,7 +1355,7 @@ def test_hopper_backward_host_code_launches_one_cta_per_block(monkeypatch, which
         monkeypatch.setattr(hopper_bwd, name, lambda: "kernel")
     monkeypatch.setattr(hopper_fwd, "descriptor", lambda t, rows: ("desc", t.data_ptr(), rows))
     monkeypatch.setattr(hopper_fwd, "launch", lambda *a, **k: launches.append(a))
-    b, hq, hkv, n, m, d = 2, 8, 2, 1000, 700, 128
+    b, hq, hkv, n, m = 2, 8, 2, 1000, 700
     q, do = (torch.randn(b, hq, n, d, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(b, hkv, m, d, dtype=torch.bfloat16) for _ in range(2))
     lse2, delta = (torch.zeros(b, hq, n) for _ in range(2))
@@ -1371,6 +1372,10 @@ def test_hopper_backward_host_code_launches_one_cta_per_block(monkeypatch, which
     described = {a[1] for a in args if isinstance(a, tuple) and a[0] == "desc"}
     assert {x.data_ptr() for x in (q, k, v, do, *outputs)} <= described
     assert args[-2:] == (0.125 * LOG2E, 0.125) and all(any(a is x for a in args) for x in (lse2, delta))
+    if which == "dq":
+        keys = {a[2] for a in args if isinstance(a, tuple) and a[0] == "desc" and a[1] in (k.data_ptr(), v.data_ptr())}
+        assert keys == {32 if d == 256 else hopper_bwd.DQ_BLOCK_N} and constexprs["BLOCK_N"] == keys.pop()
+        assert constexprs["STAGES"] == hopper_bwd.DQ_STAGES
 
 
 # (B, Hq, Hkv, N, M, causal, layout, logit scale) of the Gluon kernels' float64 checks
