@@ -258,6 +258,10 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     Returns:
         ``o`` of the shape and dtype of ``q``, or ``(o, lse)`` when ``return_lse`` is set.
 
+    Gradients are first order: a backward run with ``create_graph=True`` gives the same gradients,
+    and a second backward through those the Triton kernels computed raises ``RuntimeError`` (the
+    reference path of float32 and float64 CPU inputs differentiates twice).
+
     CUDA tensors (float16, bfloat16) run the Triton kernels on their own device, whatever the current
     device is; inside ``torch.autocast("cuda")`` float32 inputs run in the autocast dtype. CPU tensors
     run the tile-by-tile PyTorch reference, or the same Triton kernels under Triton's interpreter when
@@ -299,6 +303,18 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     return (o, lse) if return_lse else o
 
 
+def _shapes_as_passed(q, k, v) -> ValueError | None:
+    """For a failed :func:`flash_attn_func` call: the error of the contract's checks that print shapes,
+    in the (B, N, H, D) order the caller passed them (``attention`` saw them transposed), or None
+    when neither is the fault."""
+    if q.device == k.device == v.device and q.dtype == k.dtype == v.dtype and k.shape != v.shape:
+        return ValueError(f"k and v must have the same shape (B, M, Hkv, D), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if 0 in q.shape[:3] or 0 in k.shape[:3]:
+        return ValueError(f"q and k need at least one batch, query, head and key; got q {tuple(q.shape)} (B, N, H, D), "
+                          f"k {tuple(k.shape)} (B, M, Hkv, D)")
+    return None
+
+
 def flash_attn_func(
     q,
     k,
@@ -335,9 +351,16 @@ def flash_attn_func(
             raise TypeError(f"window_size must hold ints (-1 for unbounded), got {window_size!r}")
     window = tuple(None if w < 0 else int(w) for w in window_size)
     # (B, N, H, D) viewed as (B, H, N, D): a transpose, no copy; the kernels take any strides.
-    out, lse = attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=softmax_scale, return_lse=True,
-        window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, generator=generator,
-    )
+    try:
+        out, lse = attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=softmax_scale,
+            return_lse=True, window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+            generator=generator,
+        )
+    except ValueError:
+        restated = _shapes_as_passed(q, k, v)
+        if restated is None:
+            raise
+        raise restated from None
     out = out.transpose(1, 2)
     return (out, lse, None) if return_attn_probs else out

@@ -99,6 +99,22 @@ def backend(use_kernels: bool, varlen: bool = False):
     return (_kernel_forward, _kernel_backward) if use_kernels else (_reference_forward, _reference_backward)
 
 
+def not_twice(grads: tuple, *sources) -> tuple:
+    """``grads`` (dq, dk, dv) as a backward run with ``create_graph=True`` returns them, for backends
+    whose gradients carry no graph (the Triton kernels; the ring's exchanges): where the incoming
+    gradients or the saved inputs require grad, each comes out of a node that raises if a second
+    backward reaches it, instead of passing as a constant that would drop the second-order terms
+    without a word. In a plain backward (grad mode off) ``grads`` is returned as it is."""
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in sources):
+        return grads
+    # what torch.autograd.function.once_differentiable attaches, raised only when differentiated
+    fail = torch._C._functions.DelayedError(
+        b"flashattn computes this gradient with kernels that are not differentiable: no double backward "
+        b"(create_graph=True) through flashattn.attention on the Triton path; float32 and float64 CPU "
+        b"inputs run the PyTorch reference, which has one", len(grads))
+    return fail(*(g.detach().requires_grad_() for g in grads))
+
+
 class AttentionFunction(torch.autograd.Function):
     """``apply(q, k, v, problem, use_kernels, alibi_slopes=None, seed=0) -> (o, lse)``, differentiable in
     q, k, v through both outputs (the ALiBi slopes get no gradient).
@@ -135,9 +151,11 @@ class AttentionFunction(torch.autograd.Function):
         if do is None:  # only the LSE was used
             do = torch.zeros_like(o)
         with _config.tuning_of(tuning):
-            dq, dk, dv = backend(use_kernels)[1](do, q, k, v, o, lse, problem, dlse,
-                                                 alibi_slopes[0] if alibi_slopes else None, seed)
-        return dq, dk, dv, None, None, None, None
+            grads = backend(use_kernels)[1](do, q, k, v, o, lse, problem, dlse,
+                                            alibi_slopes[0] if alibi_slopes else None, seed)
+        if use_kernels:
+            grads = not_twice(grads, do, dlse, q, k, v)
+        return *grads, None, None, None, None
 
 
 _functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
@@ -183,5 +201,7 @@ class VarlenFunction(torch.autograd.Function):
         if do is None:  # only the LSE was used
             do = torch.zeros_like(o)
         with _config.tuning_of(ctx.tuning):
-            dq, dk, dv = backward(do, q, k, v, o, lse, ctx.problem, dlse, packing=(cu_q, cu_k))
-        return dq, dk, dv, None, None, None, None
+            grads = backward(do, q, k, v, o, lse, ctx.problem, dlse, packing=(cu_q, cu_k))
+        if ctx.use_kernels:
+            grads = not_twice(grads, do, dlse, q, k, v)
+        return *grads, None, None, None, None

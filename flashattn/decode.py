@@ -168,7 +168,23 @@ def _check_lengths(seq_lens: torch.Tensor, block_table, p: DecodeProblem, num_pa
         raise ValueError(f"cache_seqlens + Nnew ({values[1]} at most) must not exceed the capacity of the cache "
                          f"({p.capacity} keys{' = max_pages * page_size' if block_table is not None else ' = Mmax'})")
     if block_table is not None and values[2]:
-        raise ValueError(f"block_table has {values[2]} entries outside [0, {num_pages}) among the pages the sequences use")
+        _bad_pages(values[2], num_pages)
+
+
+def _bad_pages(count: int, num_pages: int):
+    raise ValueError(f"block_table has {count} entries outside [0, {num_pages}) among the pages the sequences use")
+
+
+def _check_pages(block_table, pages_used: int, num_pages: int):
+    """With an int ``cache_seqlens`` every sequence uses the first ``pages_used`` pages of its row:
+    their values, checked with one device sync (skipped during CUDA graph capture, as in
+    :func:`_check_lengths`)."""
+    if pages_used == 0 or (block_table.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    used = block_table[:, :pages_used]
+    bad = int(((used < 0) | (used >= num_pages)).sum())
+    if bad:
+        _bad_pages(bad, num_pages)
 
 
 # --8<-- [start:decode-append]
@@ -226,7 +242,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
                   return_lse)
     if is_int(cache_seqlens):
         seq_lens = torch.full((p.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-        max_keys = cache_seqlens + p.n_new  # known on the host: no sync, and the splits fit it
+        max_keys = cache_seqlens + p.n_new  # known on the host, and the splits fit it
+        if block_table is not None:  # the pages it spans, one sync
+            _check_pages(block_table, -(-max_keys // p.page_size), k_cache.shape[0])
     else:
         seq_lens = cache_seqlens
         _check_lengths(seq_lens, block_table, p, k_cache.shape[0])

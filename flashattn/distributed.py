@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from flashattn.api import _check_inputs, check_flag
-from flashattn.autograd import backend
+from flashattn.autograd import backend, not_twice
 from flashattn.ops import use_kernels
 from flashattn.problem import Problem
 
@@ -270,8 +270,9 @@ class RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale, ctx.layout, ctx.group)
-        return dq, dk, dv, None, None, None, None
+        with torch.no_grad():  # under create_graph=True too: the exchanges have no graph to build
+            grads = _ring_backward(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale, ctx.layout, ctx.group)
+        return *not_twice(grads, do, q, k, v), None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -315,7 +316,8 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, scale: float | 
     Every rank must call it with tensors of the same shape, dtype and layout; that is the caller's
     promise (checking it would cost a collective per call). Shards must have equal length, so N must be
     divisible by P (contiguous) or 2P (zig-zag). Gradients flow to q, k, v; dK and dV come back to the
-    rank that owns the shard. NCCL with CUDA tensors runs the Triton kernels; gloo with CPU tensors runs
+    rank that owns the shard. They are first order: a second backward (``create_graph=True``) through
+    them raises ``RuntimeError``. NCCL with CUDA tensors runs the Triton kernels; gloo with CPU tensors runs
     the PyTorch reference.
     """
     _check_ring_inputs(q, k, v, causal, scale, layout, group)

@@ -110,6 +110,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     Returns:
         ``o`` (total_q, Hq, D) in q's dtype, or ``(o, lse)`` with ``return_lse``.
 
+    Gradients are first order on the kernels' path: a second backward (``create_graph=True``)
+    through them raises ``RuntimeError``, as for :func:`flashattn.attention`.
+
     CUDA tensors (float16, bfloat16) run the Triton kernels; CPU tensors run
     :func:`flashattn.reference.varlen_attention` (float16/bfloat16 in float32), or the kernels under
     ``TRITON_INTERPRET=1``.

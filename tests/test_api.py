@@ -49,6 +49,13 @@ BAD_INPUTS = [
     ("flash: alibi", lambda: flashattn.flash_attn_func(q0, k0, v0, alibi_slopes=torch.ones(3)), ValueError, ["alibi_slopes"]),
     ("flash: softcap", lambda: flashattn.flash_attn_func(q0, k0, v0, softcap=-1.0), ValueError, ["softcap"]),
     ("flash: rank", lambda: flashattn.flash_attn_func(q0[0], k0, v0), ValueError, ["q", "(B, N, H, D)"]),
+    # shapes printed as the caller passed them, (B, N, H, D), not as attention sees them
+    ("flash: k/v shapes", lambda: flashattn.flash_attn_func(torch.zeros(1, 20, 4, 16), torch.zeros(1, 25, 2, 16),
+                                                            torch.zeros(1, 26, 2, 16)),
+     ValueError, ["k", "v", "(1, 25, 2, 16)", "(1, 26, 2, 16)", "(B, M, Hkv, D)"]),
+    ("flash: no queries", lambda: flashattn.flash_attn_func(torch.zeros(1, 0, 4, 16), torch.zeros(1, 25, 2, 16),
+                                                            torch.zeros(1, 25, 2, 16)),
+     ValueError, ["query", "(1, 0, 4, 16)", "(B, N, H, D)"]),
 ]
 
 
@@ -131,6 +138,38 @@ def test_cpu_path_gradients_match_float64_autograd(causal, monkeypatch):
             assert g_ref.abs().max() > 1e-3  # a gradient that is really there
             torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-10)
         torch.testing.assert_close(grads[2], grads_ref[2], rtol=0, atol=1e-10)  # dV = 0 through the LSE
+
+
+@pytest.mark.parametrize("entry", ["attention", "varlen"])
+def test_kernel_gradients_refuse_a_second_backward(entry):
+    """With create_graph=True the kernels' backward (float16 on DEVICE: the GPU, or the interpreter)
+    gives bitwise the gradients of a plain backward, and a second backward through them raises, whether
+    the first backward's incoming gradient depends on the inputs (a loss of o^2) or not (a loss of o),
+    instead of treating them as constants and dropping their terms."""
+    from devices import DEVICE
+
+    q, k, v = (x.to(DEVICE, torch.float16).requires_grad_() for x in qkv(n=12, m=20, d=16))
+    if entry == "attention":
+        run = lambda: flashattn.attention(q, k, v, causal=True)  # noqa: E731
+    else:  # two packed sequences of 5 and 7 queries, 9 and 11 keys, one head group
+        cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device=DEVICE) for c in ([0, 5, 12], [0, 9, 20]))
+        q, k, v = (x[0].transpose(0, 1).detach().requires_grad_() for x in (q, k, v))  # (L, H, D)
+        run = lambda: flashattn.attention_varlen(q, k, v, cu_q, cu_k, 7, 11, causal=True)  # noqa: E731
+    for loss in (lambda o: (o.float() ** 2).sum(), lambda o: o.float().sum()):
+        plain = torch.autograd.grad(loss(run()), (q, k, v))
+        graphed = torch.autograd.grad(loss(run()), (q, k, v), create_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(plain, graphed))
+        with pytest.raises(RuntimeError, match="not differentiable"):
+            ((graphed[0].float() ** 2).sum() + q.float().sum()).backward()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_path_differentiates_twice(causal, monkeypatch):
+    """float64 CPU inputs run the PyTorch reference, whose backward is differentiable: second
+    derivatives match finite differences (gradgradcheck)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = random_qkv(1, 2, 1, 5, 7, 16, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda a, b, c: flashattn.attention(a, b, c, causal=causal), (q, k, v))
 
 
 def test_default_scale_is_inverse_sqrt_d():

@@ -350,6 +350,14 @@ BAD = [
     ("table negative page", _paged(block_table=torch.tensor([[-1, 1], [2, 3]], dtype=torch.int32)),
      ValueError, ["block_table", "outside"]),
     ("paged over capacity", _paged(cache_seqlens=torch.tensor([3, 17], dtype=torch.int32)), ValueError, ["capacity", "16"]),
+    # an int cache_seqlens: every sequence spans the same first pages of its row, checked the same way
+    ("int seqlens, page out of range", _paged(cache_seqlens=9, block_table=torch.tensor([[0, 1], [2, 4]], dtype=torch.int32)),
+     ValueError, ["block_table", "[0, 4)"]),
+    ("int seqlens, negative page", _paged(cache_seqlens=3, block_table=torch.tensor([[0, 1], [-1, 3]], dtype=torch.int32)),
+     ValueError, ["block_table", "outside"]),
+    ("int seqlens, append to a bad page", _paged(cache_seqlens=7, k_new=_new, v_new=_new,
+                                                 block_table=torch.tensor([[0, -1], [2, 3]], dtype=torch.int32)),
+     ValueError, ["block_table", "outside"]),
     ("grad", _args(q=torch.zeros(2, 1, 4, 16, dtype=torch.float16, requires_grad=True)), ValueError, ["forward only", "q"]),
     ("complex", _args(q=torch.zeros(2, 1, 4, 16, dtype=torch.complex64)), TypeError, ["q", "floating"]),
 ]
@@ -366,9 +374,11 @@ def test_bad_input_raises_a_clear_error_and_writes_nothing(kwargs, exc, words):
         assert torch.equal(before, after)
 
 
-def test_good_paged_input_with_unused_negative_entries_is_accepted():
-    kwargs = _paged(cache_seqlens=torch.tensor([3, 9], dtype=torch.int32))
-    kwargs["block_table"][0, 1] = -1  # sequence 0 uses one page only
+@pytest.mark.parametrize("seqlens", [torch.tensor([3, 8], dtype=torch.int32), 8], ids=["tensor", "int"])
+def test_good_paged_input_with_unused_negative_entries_is_accepted(seqlens):
+    kwargs = _paged(cache_seqlens=seqlens)
+    kwargs["block_table"][0, 1] = -1  # sequence 0 (and with an int, each sequence) uses one page only
+    kwargs["block_table"][1, 1] = 9 if isinstance(seqlens, int) else 3
     with torch.no_grad():
         assert attention_with_kvcache(**kwargs).shape == kwargs["q"].shape
 

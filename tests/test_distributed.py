@@ -45,7 +45,7 @@ CASES = {
     # Shards longer than the reference's 64-row tiles, handed over as (B, N, H, D) storage viewed (B, H, N, D).
     "strided-long": dict(h_q=2, h_kv=1, d=16, chunk=40, causal=True, layout="zigzag", strided=True),
 }
-CHECKS = [*CASES, "no-grad", "gather", "odd-zigzag-shard", "shard-length-mismatch", "subgroup-of-3"]
+CHECKS = [*CASES, "no-grad", "gather", "odd-zigzag-shard", "shard-length-mismatch", "subgroup-of-3", "twice"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -100,6 +100,20 @@ def _check(name: str, rank: int, world: int):
         with torch.no_grad():
             o = fd.ring_attention(*(fd.shard_sequence(x, rank, world) for x in (q, k, v)), causal=True, layout="zigzag")
         return {"o": _max_err(o, fd.shard_sequence(naive_attention(q, k, v, True)[0], rank, world))}
+    if name == "twice":  # create_graph=True: first-order gradients as usual; a second backward raises
+        case = CASES["causal-zigzag"]
+        q, k, v, _ = _problem(case, world, "cpu", torch.float64, seed=9)
+        local = [fd.shard_sequence(x, rank, world, layout="zigzag").requires_grad_() for x in (q, k, v)]
+        o = fd.ring_attention(*local, causal=True, layout="zigzag")
+        plain = torch.autograd.grad((o ** 2).sum(), local, retain_graph=True)
+        graphed = torch.autograd.grad((o ** 2).sum(), local, create_graph=True)
+        try:
+            ((graphed[0] ** 2).sum() + local[0].sum()).backward()
+        except RuntimeError as exc:
+            message = str(exc)
+        else:
+            message = None
+        return {"same": all(torch.equal(a, b) for a, b in zip(plain, graphed)), "message": message}
     if name == "gather":  # all-gather of the shards gives back the full sequence, in order
         x = torch.arange(2 * 3 * 4 * world * 5, dtype=torch.float64).reshape(2, 3, 4 * world, 5)
         out = {}
@@ -231,6 +245,14 @@ def test_ring_attention_matches_full_attention(world, name):
 def test_no_grad_inference(world):
     for rank, errors in enumerate(_results(world, "no-grad")):
         assert errors["o"] <= 1e-12, f"rank {rank}: {errors}"
+
+
+def test_a_second_backward_raises(world):
+    """The ring's backward (exchanges that autograd does not see) gives its first-order gradients under
+    create_graph=True too, bitwise those of a plain backward, and a second backward through them
+    raises instead of dropping their terms."""
+    for result in _results(world, "twice"):
+        assert result["same"] and result["message"] and "not differentiable" in result["message"]
 
 
 def test_gather_sequence_round_trip(world):
