@@ -177,9 +177,9 @@ def _bad_pages(count: int, num_pages: int):
 
 def _check_pages(block_table, pages_used: int, num_pages: int):
     """With an int ``cache_seqlens`` every sequence uses the first ``pages_used`` pages of its row:
-    their values, checked with one device sync (skipped during CUDA graph capture, as in
-    :func:`_check_lengths`)."""
-    if pages_used == 0 or (block_table.is_cuda and torch.cuda.is_current_stream_capturing()):
+    their values, checked where the table is on the CPU (on a GPU the int path is the one without a
+    sync, and the entries are the caller's to keep inside the pool)."""
+    if pages_used == 0:
         return
     used = block_table[:, :pages_used]
     bad = int(((used < 0) | (used >= num_pages)).sum())
@@ -232,9 +232,11 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         ``o`` (B, Nq, Hq, D) in q's dtype, or ``(o, lse)``. A query that sees no key (an empty
         sequence, or causal rows before the first key) gets o = 0 and lse = -inf.
 
-    No gradients: with grad mode on, inputs that require grad raise ``ValueError``. The values of
-    ``cache_seqlens`` and ``block_table`` are checked against the cache's capacity with one device
-    sync (skipped during CUDA graph capture). CUDA tensors run the Triton split-KV kernels; CPU
+    No gradients: with grad mode on, inputs that require grad raise ``ValueError``. A tensor
+    ``cache_seqlens`` and the ``block_table`` entries the sequences use are checked against the
+    cache's capacity and page pool with one device sync (skipped during CUDA graph capture). An int
+    ``cache_seqlens`` is checked on the host with no sync; its block table then only where the table
+    is a CPU tensor: on a GPU its entries are the caller's to keep inside the pool. CUDA tensors run the Triton split-KV kernels; CPU
     tensors run the PyTorch reference, or the kernels under ``TRITON_INTERPRET=1`` (float16 and
     bfloat16).
     """
@@ -242,8 +244,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
                   return_lse)
     if is_int(cache_seqlens):
         seq_lens = torch.full((p.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-        max_keys = cache_seqlens + p.n_new  # known on the host, and the splits fit it
-        if block_table is not None:  # the pages it spans, one sync
+        max_keys = cache_seqlens + p.n_new  # known on the host: no sync, and the splits fit it
+        if block_table is not None and not block_table.is_cuda:  # on a GPU checking would cost a sync
             _check_pages(block_table, -(-max_keys // p.page_size), k_cache.shape[0])
     else:
         seq_lens = cache_seqlens

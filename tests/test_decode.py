@@ -351,6 +351,7 @@ BAD = [
      ValueError, ["block_table", "outside"]),
     ("paged over capacity", _paged(cache_seqlens=torch.tensor([3, 17], dtype=torch.int32)), ValueError, ["capacity", "16"]),
     # an int cache_seqlens: every sequence spans the same first pages of its row, checked the same way
+    # where the table is on the CPU (on a GPU the int path skips the check, which would cost a sync)
     ("int seqlens, page out of range", _paged(cache_seqlens=9, block_table=torch.tensor([[0, 1], [2, 4]], dtype=torch.int32)),
      ValueError, ["block_table", "[0, 4)"]),
     ("int seqlens, negative page", _paged(cache_seqlens=3, block_table=torch.tensor([[0, 1], [-1, 3]], dtype=torch.int32)),
