@@ -99,20 +99,39 @@ def backend(use_kernels: bool, varlen: bool = False):
     return (_kernel_forward, _kernel_backward) if use_kernels else (_reference_forward, _reference_backward)
 
 
+_SECOND_BACKWARD = ("flashattn computes this gradient with kernels that are not differentiable: no double "
+                    "backward (create_graph=True) through flashattn.attention on the Triton path; float32 and "
+                    "float64 CPU inputs run the PyTorch reference, which has one")
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """``apply(dq, dk, dv, *sources) -> (dq, dk, dv)``, the same tensors, tied in the autograd graph to
+    ``sources`` (what the gradients depend on): a second backward that reaches them, by ``backward``
+    or by ``torch.autograd.grad`` with any of the sources among its inputs, raises."""
+
+    @staticmethod
+    def forward(ctx, dq, dk, dv, *sources):
+        # copies, not views: a gradient that a view node produced could not be scaled in place later
+        # (gradient clipping does that)
+        return dq.clone(), dk.clone(), dv.clone()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_SECOND_BACKWARD)
+
+
 def not_twice(grads: tuple, *sources) -> tuple:
     """``grads`` (dq, dk, dv) as a backward run with ``create_graph=True`` returns them, for backends
     whose gradients carry no graph (the Triton kernels; the ring's exchanges): where the incoming
-    gradients or the saved inputs require grad, each comes out of a node that raises if a second
-    backward reaches it, instead of passing as a constant that would drop the second-order terms
-    without a word. In a plain backward (grad mode off) ``grads`` is returned as it is."""
-    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in sources):
+    gradients or the saved inputs require grad, they come out of a node joined to those ``sources``
+    that raises if a second backward reaches it, instead of passing as constants that would drop the
+    second-order terms without a word. In a plain backward (grad mode off) ``grads`` is returned as it is."""
+    if not torch.is_grad_enabled():
         return grads
-    # what torch.autograd.function.once_differentiable attaches, raised only when differentiated
-    fail = torch._C._functions.DelayedError(
-        b"flashattn computes this gradient with kernels that are not differentiable: no double backward "
-        b"(create_graph=True) through flashattn.attention on the Triton path; float32 and float64 CPU "
-        b"inputs run the PyTorch reference, which has one", len(grads))
-    return fail(*(g.detach().requires_grad_() for g in grads))
+    sources = tuple(t for t in sources if t is not None and t.requires_grad)
+    if not sources:
+        return grads
+    return _FirstOrderOnly.apply(*grads, *sources)
 
 
 class AttentionFunction(torch.autograd.Function):

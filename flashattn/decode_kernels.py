@@ -281,8 +281,10 @@ def choose_num_splits(programs: int, max_keys: int, block_n: int, device: torch.
 
     ``programs`` is the grid without splits (B * Hkv * query tiles) and ``max_keys`` the most keys a
     sequence can have. Enough splits to give every SM about ``PROGRAMS_PER_SM`` programs, so that
-    several tiles per SM keep their loads in flight, but no split shorter than
-    ``MIN_BLOCKS_PER_SPLIT`` key blocks, where the merge would cost more than the split saves.
+    several tiles per SM keep their loads in flight, but at most one split per
+    ``MIN_BLOCKS_PER_SPLIT`` key blocks of ``max_keys``, where the merge would cost more than the
+    split saves. Splits take runs of ``ceil(blocks / splits)`` blocks, so the last can be shorter, or
+    empty.
     """
     if _config.is_interpreter() or device.type != "cuda":
         return _INTERPRETER_SPLITS

@@ -159,8 +159,12 @@ def test_kernel_gradients_refuse_a_second_backward(entry):
         plain = torch.autograd.grad(loss(run()), (q, k, v))
         graphed = torch.autograd.grad(loss(run()), (q, k, v), create_graph=True)
         assert all(torch.equal(a, b) for a, b in zip(plain, graphed))
-        with pytest.raises(RuntimeError, match="not differentiable"):
-            ((graphed[0].float() ** 2).sum() + q.float().sum()).backward()
+        penalty = sum((g.float() ** 2).sum() for g in graphed) + (q.float() ** 2).sum()
+        with pytest.raises(RuntimeError, match="not differentiable"):  # by backward, as a training step does
+            penalty.backward(retain_graph=True)
+        for kw in ({}, {"allow_unused": True}):  # by autograd.grad with the inputs named
+            with pytest.raises(RuntimeError, match="not differentiable"):
+                torch.autograd.grad(penalty, (q,), retain_graph=True, **kw)
 
 
 @pytest.mark.parametrize("causal", [False, True])
