@@ -72,7 +72,7 @@ def check_scale(scale) -> None:
             raise ValueError(f"scale must be finite and non-negative, got {scale}")
 
 
-def _check_inputs(q, k, v, causal, scale):
+def _check_inputs(q, k, v, causal, scale, allow_empty: bool = False):
     check_tensors(q, k, v, "(B, Hq, N, D)", "(B, Hkv, M, D)")
     b, h_q, n, d = q.shape
     _, h_kv, m, d_k = k.shape
@@ -84,7 +84,7 @@ def _check_inputs(q, k, v, causal, scale):
         raise ValueError(f"the number of query heads ({h_q}) must be a multiple of the number of key/value heads of k and v ({h_kv})")
     if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
         raise ValueError(f"head dim D of q, k, v must be between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}, got {d}")
-    if b == 0 or h_q == 0 or n == 0 or m == 0:
+    if not allow_empty and (b == 0 or h_q == 0 or n == 0 or m == 0):
         raise ValueError(f"q and k need at least one batch, head, query and key; got q {tuple(q.shape)}, k {tuple(k.shape)}")
     check_flag("causal", causal)
     check_scale(scale)
@@ -159,7 +159,7 @@ def _check_dropout_source(generator, seed) -> None:
 def _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p):
     """Every check of :func:`attention`'s arguments but the dropout seed's source; returns the window
     as a tuple (or None) and softcap as a float."""
-    _check_inputs(q, k, v, causal, scale)
+    _check_inputs(q, k, v, causal, scale, allow_empty=True)
     check_flag("return_lse", return_lse)
     return _check_variants(q, window, softcap, alibi_slopes, dropout_p)
 
@@ -256,7 +256,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
             ``torch.compile``, dropout needs an explicit ``seed``.
 
     Returns:
-        ``o`` of the shape and dtype of ``q``, or ``(o, lse)`` when ``return_lse`` is set.
+        ``o`` of the shape and dtype of ``q``, or ``(o, lse)`` when ``return_lse`` is set. Empty
+        inputs are answered without a kernel: no batch, head or query gives empty outputs, and no key
+        (M = 0) what a query that sees no key gets (output 0, LSE -inf, zero gradients).
 
     Gradients are first order: a backward run with ``create_graph=True`` gives the same gradients,
     and a second backward through those the Triton kernels computed raises ``RuntimeError`` (the
@@ -304,14 +306,11 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
 
 
 def _shapes_as_passed(q, k, v) -> ValueError | None:
-    """For a failed :func:`flash_attn_func` call: the error of the contract's checks that print shapes,
-    in the (B, N, H, D) order the caller passed them (``attention`` saw them transposed), or None
-    when neither is the fault."""
+    """For a failed :func:`flash_attn_func` call: the error of the contract's check that prints shapes
+    (k and v alike), in the (B, N, H, D) order the caller passed them (``attention`` saw them
+    transposed), or None when that is not the fault."""
     if q.device == k.device == v.device and q.dtype == k.dtype == v.dtype and k.shape != v.shape:
         return ValueError(f"k and v must have the same shape (B, M, Hkv, D), got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if 0 in q.shape[:3] or 0 in k.shape[:3]:
-        return ValueError(f"q and k need at least one batch, query, head and key; got q {tuple(q.shape)} (B, N, H, D), "
-                          f"k {tuple(k.shape)} (B, M, Hkv, D)")
     return None
 
 

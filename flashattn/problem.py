@@ -50,6 +50,8 @@ class Problem:
     def __post_init__(self):
         # hashed once: a problem keys the launchers' recipes, looked up on every call
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in self.__dataclass_fields__)))
+        # no batch, head, query or key: nothing for a kernel to do (flashattn.autograd answers it)
+        object.__setattr__(self, "empty", not self.varlen and self.batch * self.heads_q * self.n * self.m == 0)
 
     def __hash__(self) -> int:
         return self._hash
