@@ -621,8 +621,8 @@ def _stream_context(stream):
 class Recipe:
     """A launcher call kept for repeating: the outputs to allocate and the launches to make, each with
     its arguments expanded once, and the stream switches between them. Replaying it costs the
-    allocations, one TMA descriptor fill per described tensor, the C launches and the switches; no
-    config lookup, descriptor object, cache key or argument binding. Its roles are the call's
+    allocations, one TMA descriptor fill per described tensor and tile shape, the C launches and the
+    switches; no config lookup, descriptor object, cache key or argument binding. Its roles are the call's
     inputs, its outputs (``layouts``) and ``n_counters`` tile counters (:func:`tile_counter`)."""
 
     __slots__ = ("steps", "layouts", "n_counters", "device", "fills", "first")

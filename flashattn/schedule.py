@@ -15,7 +15,8 @@ Tiling the (N, M) score matrix into ``block_m x block_n`` tiles splits the tiles
 
 Every function here is plain arithmetic on five primitives (:func:`minimum`, :func:`maximum`,
 :func:`clamp`, :func:`select`, and :func:`load` for the packed-sequence tables), so the Triton kernels wrap the very same functions with
-``triton.jit`` (swapping the primitives for ``tl.minimum``, ``tl.maximum`` and ``tl.where``): the
+``triton.jit`` (swapping the primitives for device versions built on ``tl.minimum``, ``tl.maximum``,
+``tl.where`` and ``tl.load``): the
 kernels call :func:`forward_key_range`, :func:`dq_key_range`, :func:`backward_query_range`,
 :func:`visible` and :func:`launch_order` compiled, the PyTorch reference calls them on the host, and
 the site draws its figures with :func:`block_grid`. There is one schedule, not three.
@@ -34,8 +35,9 @@ SKIPPED = "skipped"
 # The schedule's functions run in three places: on the host (the reference, the figures, the tests),
 # and inside the Triton kernels, which wrap these very functions with ``triton.jit``
 # (:func:`flashattn._triton.device_fn`). Everything below is written with + - * // and comparisons,
-# and with the four primitives here; on the device each primitive is swapped for its Triton twin
-# (tl.minimum, tl.maximum, tl.where), so host and kernel compute the same numbers by construction.
+# and with the five primitives here; on the device each primitive is swapped for its Triton twin
+# (tl.minimum, tl.maximum, clamp built from those two, tl.where, tl.load), so host and kernel compute
+# the same numbers by construction.
 def minimum(a, b):
     return min(a, b)
 
