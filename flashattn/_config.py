@@ -236,15 +236,15 @@ GLUON_HEAD_DIMS = {"fwd": (128, 256), "bwd_dkdv": (128,), "bwd_dq": (128, 256)}
 # once repeated calls replayed Gluon launches too (flashattn._triton.Recipe), by two yardsticks: GPU
 # time per pass (CUDA graphs) and the eager call's wall time, host included. A bar is where Gluon
 # wins the first without losing the second. Gluon over portable GPU time: the D = 128 forward
-# 0.59-1.01x from 2^31 up (0.94-1.19x below, where the portable kernel takes its small-grid tile);
-# the D = 256 forward 0.71-0.81x from 2^31 up; the D = 128 backward 0.89-0.92x from 2^32 up without a
+# 0.58-1.01x from 2^31 up (0.94-1.19x below, where the portable kernel takes its small-grid tile);
+# the D = 256 forward 0.71-0.81x from 2^31 up; the D = 128 backward 0.88-0.91x from 2^32 up without a
 # mask, and with the causal mask 0.83-1.25x at 2^32-2^33 and 0.83-1.00x at 2^34. Eager: the causal
 # Gluon forward read 1.09-1.34x the portable call's wall time at 2^31-2^32 and 0.82-0.95x at 2^33
 # when it allocated and zeroed its tile counter at every call (as it does again); with a counter kept
 # per stream (tried, withdrawn) it read 0.93-1.10x at 2^31-2^32, 2.5-4.2 us slower in 5 of 7 shapes
 # (its call also fills a descriptor for O), and 0.75-0.87x at 2^33 (tuning log "A tile counter per
 # stream"), so the causal bars stay either way. Eager forward + backward read 1.12-1.13x at 2^32
-# without a mask and 0.83-0.95x at 2^33. The D = 256 dQ in Gluon over portable, whole backward (H200,
+# and 0.83-0.95x at 2^33, both without a mask (causal at 2^33: 0.98-1.11x). The D = 256 dQ in Gluon over portable, whole backward (H200,
 # tuning log "dQ in Gluon at D = 256"): GPU time 1.09-1.11x below 2^32, 0.93-0.94x from 2^32 without a
 # mask; causal 1.03-1.10x at 2^32-2^33, 0.95-0.97x from 2^34; eager wall never above 1.0x past the bars.
 # Every cell of the benchmark grid (16k tokens, 2048 hidden) from N = 1024 up is at 2^35 or more.
