@@ -244,9 +244,10 @@ GLUON_HEAD_DIMS = {"fwd": (128, 256), "bwd_dkdv": (128,), "bwd_dq": (128, 256)}
 # per stream (tried, withdrawn) it read 0.93-1.10x at 2^31-2^32, 2.5-4.2 us slower in 5 of 7 shapes
 # (its call also fills a descriptor for O), and 0.75-0.87x at 2^33 (tuning log "A tile counter per
 # stream"), so the causal bars stay either way. Eager forward + backward read 1.12-1.13x at 2^32
-# and 0.83-0.95x at 2^33, both without a mask (causal at 2^33: 0.98-1.11x). The D = 256 dQ in Gluon over portable, whole backward (H200,
-# tuning log "dQ in Gluon at D = 256"): GPU time 1.09-1.11x below 2^32, 0.93-0.94x from 2^32 without a
-# mask; causal 1.03-1.10x at 2^32-2^33, 0.95-0.97x from 2^34; eager wall never above 1.0x past the bars.
+# and 0.83-0.95x at 2^33, both without a mask (causal at 2^33: 0.98-1.11x). The D = 256 dQ in
+# Gluon over portable, whole backward (H200, tuning log "dQ in Gluon at D = 256"): GPU time
+# 1.09-1.11x below 2^32, 0.93-0.94x from 2^32 without a mask; causal 1.03-1.10x at 2^32-2^33,
+# 0.95-0.97x from 2^34; eager wall never above 1.0x past the bars.
 # Every cell of the benchmark grid (16k tokens, 2048 hidden) from N = 1024 up is at 2^35 or more.
 GLUON_MIN_WORK = {
     ("fwd", 128): (2**31, 2**33),

@@ -22,9 +22,9 @@ def _variants(problem: Problem, alibi_slopes, seed) -> dict:
                 dropout_p=problem.dropout_p, seed=seed if problem.dropout_p > 0 else None)
 
 
-def _empty_forward(q, k, problem: Problem):
+def _empty_forward(q, problem: Problem):
     """A problem with no batch, head or query (empty outputs) or no key (every query sees none:
-    output 0, LSE -inf), answered without a kernel."""
+    output 0, LSE -inf), answered without a kernel (the reference's loops handle it as they are)."""
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return (torch.zeros_like(q),
             torch.full((problem.batch, problem.heads_q, problem.n), -torch.inf, dtype=lse_dtype, device=q.device))
@@ -36,15 +36,11 @@ def _empty_backward(q, k, v):
 
 
 def _reference_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0):
-    if problem.empty:
-        return _empty_forward(q, k, problem)
     return reference.online_forward(q, k, v, problem.causal, problem.scale,
                                     **_variants(problem, alibi_slopes, seed))
 
 
 def _reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0):
-    if problem.empty:
-        return _empty_backward(q, k, v)
     return reference.online_backward(do, q, k, v, o, lse, problem.causal, problem.scale, dlse=dlse,
                                      **_variants(problem, alibi_slopes, seed))
 
@@ -64,7 +60,7 @@ def kernel_module(name: str):
 
 def _kernel_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, packing=None):
     if problem.empty:
-        return _empty_forward(q, k, problem)
+        return _empty_forward(q, problem)
     with kernel_module("_triton").on_device(q):  # Triton launches on the current device: make it the inputs'
         return kernel_module("forward").attention_forward(q, k, v, problem, alibi_slopes, seed, packing)
 

@@ -245,11 +245,11 @@ def _bwd_dkdv_kernel(
     # (hi = N) or, under a window, the blocks that cross its left edge; a ragged key block masks
     # every tile (its padded keys must stay out of dS). Rows below lo see none of the block.
     # ONE_LOOP: from D = 128 up (BLOCK_D, the head dim padded: any D > 64), a causal mask without a
-    # window or dropout walks [lo, hi) in one masked
-    # loop instead. The mask costs a few compares per score, while three loops keep more values live,
-    # spill more and refill the pipeline between them: measured on the H200, the three loops took
-    # 1.4x as long at D = 256 and 1.03-1.09x at D = 128, but 0.90-0.92x at D = 64, and 0.85x with dropout
-    # at D = 128, which keep them (docs/kernels/tuning-log.md, "One causal loop in dK/dV").
+    # window or dropout walks [lo, hi) in one masked loop instead. The mask costs a few compares per
+    # score, while three loops keep more values live, spill more and refill the pipeline between them:
+    # measured on the H200, the three loops took 1.4x as long at D = 256 and 1.03-1.09x at D = 128, but
+    # 0.90-0.92x at D = 64, and 0.85x with dropout at D = 128, which keep them
+    # (docs/kernels/tuning-log.md, "One causal loop in dK/dV").
     ONE_LOOP: tl.constexpr = CAUSAL and not HAS_WINDOW and not DROPOUT and BLOCK_D >= 128
     if HAS_WINDOW:
         lo, full_start, full_end, hi = window_query_range(start_n, BLOCK_M, BLOCK_N, N_CTX_Q, N_CTX_K,

@@ -168,23 +168,7 @@ def _check_lengths(seq_lens: torch.Tensor, block_table, p: DecodeProblem, num_pa
         raise ValueError(f"cache_seqlens + Nnew ({values[1]} at most) must not exceed the capacity of the cache "
                          f"({p.capacity} keys{' = max_pages * page_size' if block_table is not None else ' = Mmax'})")
     if block_table is not None and values[2]:
-        _bad_pages(values[2], num_pages)
-
-
-def _bad_pages(count: int, num_pages: int):
-    raise ValueError(f"block_table has {count} entries outside [0, {num_pages}) among the pages the sequences use")
-
-
-def _check_pages(block_table, pages_used: int, num_pages: int):
-    """With an int ``cache_seqlens`` every sequence uses the first ``pages_used`` pages of its row:
-    their values, checked where the table is on the CPU (on a GPU the int path is the one without a
-    sync, and the entries are the caller's to keep inside the pool)."""
-    if pages_used == 0:
-        return
-    used = block_table[:, :pages_used]
-    bad = int(((used < 0) | (used >= num_pages)).sum())
-    if bad:
-        _bad_pages(bad, num_pages)
+        raise ValueError(f"block_table has {values[2]} entries outside [0, {num_pages}) among the pages the sequences use")
 
 
 # --8<-- [start:decode-append]
@@ -236,17 +220,17 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     ``cache_seqlens`` and the ``block_table`` entries the sequences use are checked against the
     cache's capacity and page pool with one device sync (skipped during CUDA graph capture). An int
     ``cache_seqlens`` is checked on the host with no sync; its block table then only where the table
-    is a CPU tensor: on a GPU its entries are the caller's to keep inside the pool. CUDA tensors run the Triton split-KV kernels; CPU
-    tensors run the PyTorch reference, or the kernels under ``TRITON_INTERPRET=1`` (float16 and
-    bfloat16).
+    is a CPU tensor: on a GPU its entries are the caller's to keep inside the pool. CUDA tensors run
+    the Triton split-KV kernels; CPU tensors run the PyTorch reference, or the kernels under
+    ``TRITON_INTERPRET=1`` (float16 and bfloat16).
     """
     p = _validate(q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal, scale, block_table, num_splits,
                   return_lse)
     if is_int(cache_seqlens):
         seq_lens = torch.full((p.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
         max_keys = cache_seqlens + p.n_new  # known on the host: no sync, and the splits fit it
-        if block_table is not None and not block_table.is_cuda:  # on a GPU checking would cost a sync
-            _check_pages(block_table, -(-max_keys // p.page_size), k_cache.shape[0])
+        if block_table is not None and not block_table.is_cuda:  # the tensor path's checks: on a GPU a sync
+            _check_lengths(seq_lens, block_table, p, k_cache.shape[0])
     else:
         seq_lens = cache_seqlens
         _check_lengths(seq_lens, block_table, p, k_cache.shape[0])

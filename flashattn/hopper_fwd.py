@@ -12,8 +12,8 @@ persistent launch the blocks pid, pid + grid, ... of a grid of at most one CTA p
     two Q halves, then K and V tiles into a ring of ``STAGES`` shared-memory slots, whose fills
     carry on from block to block.
 * a persistent CTA's producer loads the next block's Q half once that half's consumer has completed
-  its last S product (and that step's softmax) of the block that used the buffer last (an "empty" mbarrier per half and
-  buffer): with one Q buffer (``QBUFS``) the current block, with two (the default without a mask
+  its last S product (and that step's softmax) of the block that used the buffer last (an "empty"
+  mbarrier per half and buffer): with one Q buffer (``QBUFS``) the current block, with two (the default without a mask
   at D <= 128, :func:`q_buffers_default`) the block before it. O leaves through a buffer of its
   own (D <= 128) by TMA, so the next Q may land while O is stored. At D = 256 there is no room for
   that buffer: O is staged in the dead Q half, which is released after the store.
