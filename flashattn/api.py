@@ -80,7 +80,7 @@ def _check_inputs(q, k, v, causal, scale, allow_empty: bool = False):
         raise ValueError(f"k and v must have the batch size of q ({b}), got {k.shape[0]}")
     if d_k != d:
         raise ValueError(f"k and v must have the head dim D of q ({d}), got {d_k}")
-    if h_kv == 0 or h_q % h_kv != 0:
+    if (h_kv == 0 and not (allow_empty and h_q == 0)) or (h_kv and h_q % h_kv != 0):  # Hq = Hkv = 0: empty
         raise ValueError(f"the number of query heads ({h_q}) must be a multiple of the number of key/value heads of k and v ({h_kv})")
     if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
         raise ValueError(f"head dim D of q, k, v must be between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}, got {d}")
@@ -262,7 +262,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
 
     Gradients are first order: a backward run with ``create_graph=True`` gives the same gradients,
     and a second backward through those the Triton kernels computed raises ``RuntimeError`` (the
-    reference path of float32 and float64 CPU inputs differentiates twice).
+    reference path of float32 and float64 CPU inputs differentiates twice in eager mode, not under
+    ``torch.compile``).
 
     CUDA tensors (float16, bfloat16) run the Triton kernels on their own device, whatever the current
     device is; inside ``torch.autocast("cuda")`` float32 inputs run in the autocast dtype. CPU tensors

@@ -24,7 +24,8 @@ def _variants(problem: Problem, alibi_slopes, seed) -> dict:
 
 def _empty_forward(q, problem: Problem):
     """A problem with no batch, head or query (empty outputs) or no key (every query sees none:
-    output 0, LSE -inf), answered without a kernel (the reference's loops handle it as they are)."""
+    output 0, LSE -inf), answered without a kernel (the reference's loops handle such a problem
+    themselves unless it has no key/value head)."""
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return (torch.zeros_like(q),
             torch.full((problem.batch, problem.heads_q, problem.n), -torch.inf, dtype=lse_dtype, device=q.device))
@@ -36,11 +37,15 @@ def _empty_backward(q, k, v):
 
 
 def _reference_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0):
+    if problem.heads_kv == 0:  # no head at all: the reference's head groups need one
+        return _empty_forward(q, problem)
     return reference.online_forward(q, k, v, problem.causal, problem.scale,
                                     **_variants(problem, alibi_slopes, seed))
 
 
 def _reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0):
+    if problem.heads_kv == 0:
+        return _empty_backward(q, k, v)
     return reference.online_backward(do, q, k, v, o, lse, problem.causal, problem.scale, dlse=dlse,
                                      **_variants(problem, alibi_slopes, seed))
 
@@ -116,9 +121,10 @@ def backend(use_kernels: bool, varlen: bool = False):
     return (_kernel_forward, _kernel_backward) if use_kernels else (_reference_forward, _reference_backward)
 
 
-_SECOND_BACKWARD = ("flashattn computes this gradient with kernels that are not differentiable: no double "
-                    "backward (create_graph=True) through flashattn.attention on the Triton path; float32 and "
-                    "float64 CPU inputs run the PyTorch reference, which has one")
+_SECOND_BACKWARD = ("flashattn computed this gradient with kernels (or ring_attention's exchanges) that are not "
+                    "differentiable: no double backward (create_graph=True) through it; in eager mode, "
+                    "flashattn.attention and flashattn.attention_varlen on float32 or float64 CPU inputs run "
+                    "the PyTorch reference, which has one")
 
 
 class _FirstOrderOnly(torch.autograd.Function):

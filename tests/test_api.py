@@ -30,6 +30,7 @@ BAD_INPUTS = [
     ("batch mismatch", lambda: flashattn.attention(q0, torch.cat([k0, k0]), torch.cat([v0, v0])), ValueError, ["batch"]),
     ("head dim mismatch", lambda: flashattn.attention(q0, k0[..., :8], v0[..., :8]), ValueError, ["head dim", "D"]),
     ("heads not a multiple", lambda: flashattn.attention(*qkv(h_q=4, h_kv=3)), ValueError, ["heads", "multiple"]),
+    ("query heads, no key/value head", lambda: flashattn.attention(*qkv(h_q=4, h_kv=0)), ValueError, ["heads", "multiple"]),
     ("head dim too small", lambda: flashattn.attention(*qkv(d=8)), ValueError, ["head dim", "16"]),
     ("head dim too large", lambda: flashattn.attention(*qkv(d=264)), ValueError, ["head dim", "256"]),
     ("NaN scale", lambda: flashattn.attention(q0, k0, v0, scale=float("nan")), ValueError, ["scale"]),
@@ -139,6 +140,7 @@ def test_cpu_path_gradients_match_float64_autograd(causal, monkeypatch):
 @pytest.mark.parametrize("q_shape, kv_shape", [
     ((0, 4, 6, 16), (0, 2, 9, 16)),  # no batch
     ((2, 0, 6, 16), (2, 2, 9, 16)),  # no query head
+    ((2, 0, 6, 16), (2, 0, 9, 16)),  # no head at all
     ((2, 4, 0, 16), (2, 2, 9, 16)),  # no query
     ((2, 4, 6, 16), (2, 2, 0, 16)),  # no key: every query sees none
 ])
