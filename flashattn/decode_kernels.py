@@ -311,6 +311,9 @@ def decode_forward(q, k_cache, v_cache, seq_lens, n_new: int, block_table, causa
     natural log. Inputs are validated by :mod:`flashattn.decode`, which also makes q's device the
     current one, where the launches go.
     """
+    # the kernel reads seq_lens[b] and a table row's entries at unit stride (a no-op when they are)
+    seq_lens = seq_lens.contiguous()
+    block_table = None if block_table is None else block_table.contiguous()
     if _interpreter_needs_float32(q):
         o, lse = decode_forward(q.float(), k_cache.float(), v_cache.float(), seq_lens, n_new, block_table,
                                 causal, scale, max_keys, num_splits)

@@ -190,6 +190,33 @@ def test_interpreter_int_seqlens_custom_scale_and_strided_cache():
     assert torch.equal(big_k[:, :, [0, 3, 4]], outside)  # the append wrote only its own heads
 
 
+def _strided_index_tensors(dtype, paged):
+    """cache_seqlens as every other entry of a buffer whose gaps hold a length the cache cannot take,
+    and a block table whose entries are not at unit stride (a transposed copy, then every other column
+    of it): the kernels must read the values the views show, not the memory next to them."""
+    b, n_q, h_q, h_kv, d, n_new, page_size = 3, 2, 4, 2, 24, 1, 4
+    lens = torch.full((2 * b,), 10_000, dtype=torch.int32)
+    lens[::2] = torch.tensor([9, 0, 14], dtype=torch.int32)
+    seqlens = lens.to(DEVICE)[::2]
+    assert seqlens.stride() == (2,)
+    table = None
+    if paged:
+        wide, pages = _shuffled_pages(b, 8, page_size, h_kv, d, dtype, seed=3)
+        table = wide.t().contiguous().t()[:, ::2].to(DEVICE)  # (B, 4) with strides (1, 2B)
+        assert table.stride(1) != 1
+        q, k_cache, v_cache, k_new, v_new = _make(b, n_q, h_q, h_kv, d, 0, n_new, dtype, pages=pages, seed=4)
+    else:
+        q, k_cache, v_cache, k_new, v_new = _make(b, n_q, h_q, h_kv, d, 16, n_new, dtype, seed=4)
+    for causal in (False, True):
+        _check(q, k_cache.clone(), v_cache.clone(), seqlens, k_new, v_new, causal, block_table=table)
+
+
+@cpu_only
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_interpreter_strided_lengths_and_block_table(paged):
+    _strided_index_tensors(torch.float16, paged)
+
+
 @cpu_only
 def test_interpreter_public_call_runs_the_kernels(monkeypatch):
     calls = []
@@ -430,6 +457,13 @@ def test_gpu_paged_cache_matches_float64(page_size, dtype):
     q, k_cache, v_cache, k_new, v_new = _make(b, n_q, h_q, h_kv, d, 0, n_new, dtype, pages=pages, seed=5)
     seqlens = _ragged(b, capacity_pages * page_size - n_new, gen).to(DEVICE)
     _check(q, k_cache, v_cache, seqlens, k_new, v_new, True, block_table=table.to(DEVICE))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_gpu_strided_lengths_and_block_table(paged):
+    _strided_index_tensors(torch.bfloat16, paged)
 
 
 @gpu

@@ -214,6 +214,30 @@ def test_interpreter_no_key_or_no_query_anywhere():
     assert dk is None or (dk == 0).all()
 
 
+def _strided_cu_seqlens_give_the_contiguous_bits(dtype):
+    """cu_seqlens given as every other entry of a buffer whose gaps hold a boundary past the totals:
+    forward and backward give the bits of the same call with contiguous cu_seqlens."""
+    lens_q, lens_k = [5, 0, 12, 7], [9, 3, 12, 0]
+    q, k, v, do = _pack(lens_q, lens_k, 4, 2, 24, dtype, seed=6)
+    runs = []
+    for strided in (False, True):
+        cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+        if strided:
+            cu_q, cu_k = (torch.full((2 * c.shape[0],), 99, dtype=torch.int32, device=c.device).index_copy_(
+                0, torch.arange(0, 2 * c.shape[0], 2, device=c.device), c)[::2] for c in (cu_q, cu_k))
+            assert cu_q.stride() == (2,) and cu_q.tolist() == _cu(lens_q).tolist()
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        o = flashattn.attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+        runs.append((o.detach(), *torch.autograd.grad(o, leaves, do)))
+    assert runs[0][0].abs().max() > 0
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@cpu_only
+def test_interpreter_strided_cu_seqlens():
+    _strided_cu_seqlens_give_the_contiguous_bits(torch.float16)
+
+
 @cpu_only
 def test_interpreter_equals_dense_kernels_on_one_sequence():
     """One sequence packed is the dense problem: the VARLEN kernels give the dense kernels' bits."""
@@ -346,6 +370,12 @@ def test_gpu_matches_float64(d, h_q, h_kv, causal, dtype):
     lens_k = [max(0, n + delta) for n, delta in zip(lens_q, [0, 37, -50, 0, 300, -1] * len(lens_q))]
     lens_q[1] = 0  # an empty query side
     _check(lens_q, lens_k, h_q, h_kv, d, causal, dtype, layout="strided" if d == 72 else "contiguous")
+
+
+@gpu
+@needs_cuda
+def test_gpu_strided_cu_seqlens():
+    _strided_cu_seqlens_give_the_contiguous_bits(torch.bfloat16)
 
 
 @gpu
