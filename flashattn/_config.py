@@ -412,6 +412,8 @@ def choose(kernel: str, problem: Problem, device: torch.device, launch) -> Kerne
                 continue
             if ms < best_ms:
                 best, best_ms = cfg, ms
+        if len(_TUNED) > 4096:
+            _TUNED.clear()
         _TUNED[full_key] = best if best is not None else get_config(kernel, problem, device)
     return _TUNED[full_key]
 
@@ -481,5 +483,7 @@ def plan(kernel: str, problem: Problem, device: torch.device, launch) -> Plan:
             return found
     result = plan_for(kernel, problem, device, choose(kernel, problem, device, launch))
     if cacheable:
+        if len(_PLANS) > 4096:  # many distinct lengths: start over rather than grow without bound
+            _PLANS.clear()
         _PLANS[key] = result
     return result

@@ -473,7 +473,7 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
     # A repeated call replays the first one's launches with its own tensors (as in the forward),
     # the stream switches of dQ's second stream (large problems only) included.
     side = _second_stream(q, p)
-    key = None if p.varlen else (
+    key = None if p.varlen or type(q) is not torch.Tensor else (  # a subclass: the full path (forward.py)
         p, q.device, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(), lse.stride(),
         dlse is not None and dlse.stride(), alibi_slopes is not None and alibi_slopes.dim(),
         (k is q, v is q, v is k), side is not None)

@@ -226,7 +226,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     """
     p = _validate(q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal, scale, block_table, num_splits,
                   return_lse)
+    if num_splits is not None:
+        num_splits = int(num_splits)  # an integral type of numpy's, say: the launchers take Python ints
     if is_int(cache_seqlens):
+        cache_seqlens = int(cache_seqlens)
         seq_lens = torch.full((p.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
         max_keys = cache_seqlens + p.n_new  # known on the host: no sync, and the splits fit it
         if block_table is not None and not block_table.is_cuda:  # the tensor path's checks: on a GPU a sync

@@ -255,8 +255,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem
     # A call with the key of an earlier one (the problem, device, layouts, which of q, k, v are one
     # tensor, as in self-attention of x with itself) repeats that call's launches
     # with its own tensors: no config lookup, descriptor object or argument binding (flashattn._triton.Recipe).
-    key = None if p.varlen else (p, q.device, q.stride(), k.stride(), v.stride(),
-                                 alibi_slopes is not None and alibi_slopes.dim(), (k is q, v is q, v is k))
+    # A tensor subclass takes the full path: its outputs are of the subclass (empty_like), a replay's are not.
+    key = None if p.varlen or type(q) is not torch.Tensor else (
+        p, q.device, q.stride(), k.stride(), v.stride(), alibi_slopes is not None and alibi_slopes.dim(),
+        (k is q, v is q, v is k))
     inputs, free = (q, k, v, alibi_slopes), seed_halves(p, seed)
     replayed = replay(key, inputs, free)
     if replayed is not None:

@@ -804,6 +804,46 @@ def test_calls_keep_no_tensor_past_their_end(monkeypatch):
     assert _tensors_kept_by_the_package() == []
 
 
+def test_subclass_and_numpy_arguments_on_the_compiled_path(monkeypatch):
+    """On the compiled-kernel path (benchmarks.hostcost's no-op launches, on the CPU): a call with a
+    tensor subclass after a plain call of the same problem gets outputs of its subclass, as its first
+    call does (a replayed recipe would allocate plain tensors), and a decoding call with numpy integers
+    for the lengths and the split count launches like one with Python ints (the launch signature takes
+    ints; numpy's crashed its first call)."""
+    import numpy as np
+
+    from benchmarks import hostcost
+    from flashattn import _triton
+
+    class Tagged(torch.Tensor):
+        pass
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the tool refuses the interpreter; kernels count as compiled
+    monkeypatch.setattr(_triton, "_RECIPES", {})
+    gen = torch.Generator().manual_seed(4)
+    with hostcost.launches_disabled():
+        q, k, v = (torch.randn(1, 2, 40, 32, dtype=torch.float16, generator=gen) for _ in range(3))
+        for _ in range(2):
+            assert type(flashattn.attention(q, k, v)) is torch.Tensor
+        assert _triton._RECIPES  # the plain call's launches were recorded
+        for _ in range(2):
+            assert type(flashattn.attention(q.as_subclass(Tagged), k, v)) is Tagged
+        q = torch.randn(2, 1, 4, 32, dtype=torch.float16, generator=gen)
+        cache = [torch.randn(2, 64, 2, 32, dtype=torch.float16, generator=gen) for _ in range(2)]
+        _triton._RECIPES.clear()
+        flashattn.attention_with_kvcache(q, *cache, cache_seqlens=np.int64(40), num_splits=np.int64(2))
+
+
+def test_plan_cache_is_bounded():
+    """Plans are kept per problem; a loop over ever new lengths starts the cache over instead of
+    growing it without bound (as the other per-problem caches do)."""
+    _config._PLANS.clear()
+    for n in range(1, 4200):
+        p = Problem(1, 2, 2, n, n, 64, torch.float16, False, 0.125)
+        _config.plan("fwd", p, torch.device("cpu"), None)
+    assert 0 < len(_config._PLANS) <= 4097
+
+
 def test_direct_launch_only_for_the_launcher_it_knows():
     """The direct launch (flashattn._triton._DirectLaunch) is built only from a compiled kernel whose
     launcher has the layout it was written for; anything else keeps Triton's own launch path. A launch
