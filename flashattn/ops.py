@@ -13,7 +13,10 @@ the output shapes without running anything, and the forward's autograd formula c
 operator. To the compiler each is one opaque node, so ``torch.compile(fullgraph=True)`` traces a
 model that calls :func:`flashattn.attention` without a graph break, with dynamic shapes and under
 CUDA graphs (``mode="reduce-overhead"``). The implementations are the same backends the eager path
-runs (:func:`flashattn.autograd.backend`).
+runs (:func:`flashattn.autograd.backend`). The operators do not check their inputs:
+:func:`flashattn.attention` and :func:`flashattn.attention_varlen` check them (at trace time under
+``torch.compile``) before they call the operators, so call those rather than the operators
+themselves (inputs they would refuse, such as k and v of another dtype than q, are read wrongly).
 """
 
 from __future__ import annotations
