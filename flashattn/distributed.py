@@ -155,15 +155,19 @@ def merge_partials(o, lse, o_part, lse_part):
     """Merge two partial attentions over disjoint key sets: ``(o, lse)`` of the union.
 
     ``o`` (.., N, D) and ``lse`` (.., N) are one partial, ``o_part``/``lse_part`` the other; an empty
-    partial has lse = -inf (and any finite o). Exact: o = e^(lse_a - lse) o_a + e^(lse_b - lse) o_b.
+    partial has lse = -inf (and any finite o). Exact: o = e^(lse_a - lse) o_a + e^(lse_b - lse) o_b,
+    computed as (w_a o_a + w_b o_b) / (w_a + w_b) with w = e^(lse_x - max(lse_a, lse_b)): the larger
+    weight is exactly 1 and the two sum to 1 after the division, where weights taken against a rounded
+    lse would carry its rounding, a relative error of eps * |lse|, into o.
     """
-    lse_new = torch.logaddexp(lse, lse_part)
+    top = torch.maximum(lse, lse_part)
     # A row empty in both partials keeps lse = -inf; pivoting it at 0 keeps both weights e^(-inf) = 0
-    # instead of e^(-inf - (-inf)) = NaN.
-    pivot = torch.where(lse_new == float("-inf"), torch.zeros_like(lse_new), lse_new)
-    w = torch.exp(lse - pivot).unsqueeze(-1)
-    w_part = torch.exp(lse_part - pivot).unsqueeze(-1)
-    return w * o + w_part * o_part, lse_new
+    # instead of e^(-inf - (-inf)) = NaN (and then its total 0 gives lse = -inf, o = 0).
+    pivot = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+    w, w_part = torch.exp(lse - pivot), torch.exp(lse_part - pivot)
+    total = w + w_part
+    o_new = (w.unsqueeze(-1) * o + w_part.unsqueeze(-1) * o_part) / torch.where(total > 0, total, 1).unsqueeze(-1)
+    return o_new, pivot + torch.log(total)
 # --8<-- [end:merge]
 
 
@@ -189,7 +193,8 @@ def _wait(works) -> None:
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
-    # Partials are merged and gradients summed in float32 (float64 stays float64 for exact tests).
+    # Partials are merged, and the steps' partial gradients (each in the inputs' dtype, as the backward
+    # that computed it returns it) summed, in float32 (float64 stays float64 for exact tests).
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
@@ -318,7 +323,11 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, scale: float | 
     divisible by P (contiguous) or 2P (zig-zag). Gradients flow to q, k, v; dK and dV come back to the
     rank that owns the shard. They are first order: a second backward (``create_graph=True``) through
     them raises ``RuntimeError``. NCCL with CUDA tensors runs the Triton kernels; gloo with CPU tensors runs
-    the PyTorch reference.
+    the PyTorch reference (float16/bfloat16 CPU tensors the kernels under ``TRITON_INTERPRET=1``).
+
+    Every rank of the group must make the call, and the backward of its output: the exchanges wait for
+    all of them. A rank that raises (on arguments unlike the others') or skips the backward leaves the
+    other ranks waiting until the process group's timeout.
     """
     _check_ring_inputs(q, k, v, causal, scale, layout, group)
     check_flag("return_lse", return_lse)
