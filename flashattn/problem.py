@@ -65,7 +65,7 @@ class Problem:
         """
         batch, heads_q, n, head_dim = q.shape
         m = k.shape[2]
-        scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale) + 0.0  # -0.0 as 0.0: hashed alike
         if window is not None:
             left, right = schedule.window_bounds(n, m, bool(causal), tuple(window))
             # left >= m - 1 and right >= n - 1 (0 when causal) reach every key already
@@ -81,7 +81,7 @@ class Problem:
                causal: bool = False, scale: float | None = None) -> "Problem":
         """The description of packed attention of q (total_q, Hq, D) over k (total_k, Hkv, D)."""
         total_q, heads_q, head_dim = q.shape
-        scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale) + 0.0  # -0.0 as 0.0: hashed alike
         return cls(n_seqs, heads_q, k.shape[1], int(max_seqlen_q), int(max_seqlen_k), head_dim, q.dtype,
                    bool(causal), scale, varlen=True, total_q=total_q, total_k=k.shape[0])
 

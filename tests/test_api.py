@@ -107,6 +107,30 @@ def test_repeated_calls_reuse_one_description():
     assert len(api._DESCRIBED) == 1
 
 
+def test_a_negative_zero_scale_is_the_zero_scale():
+    """scale=-0.0 and scale=0.0 hash alike, so a call of one may reuse the other's cached description:
+    both describe +0.0, and the results (zero gradients' signs included) do not depend on which came first."""
+    import math
+
+    from flashattn import api
+    from flashattn.problem import Problem
+
+    assert math.copysign(1.0, Problem.of(q0, k0, False, -0.0).scale) == 1.0
+    api._DESCRIBED.clear()
+    runs = []
+    for order in ((0.0, -0.0), (-0.0, 0.0)):
+        api._DESCRIBED.clear()
+        for scale in order:
+            q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+            o = flashattn.attention(q, k, v, scale=scale)
+            runs.append((scale, [t.view(torch.int32) for t in (o, *torch.autograd.grad(o.sum(), (q, k)))]))
+    by_scale = {}
+    for scale, bits in runs:
+        by_scale.setdefault(math.copysign(1.0, scale), []).append(bits)
+    for same in by_scale.values():
+        assert all(torch.equal(a, b) for a, b in zip(*same))
+
+
 def test_import_is_cheap():
     """Importing flashattn imports no triton (no GPU query, no compilation)."""
     code = "import sys, flashattn; assert 'triton' not in sys.modules, 'triton imported'; print('ok')"
