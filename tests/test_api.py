@@ -289,3 +289,32 @@ def test_calls_without_gradient_skip_autograd_and_match(dtype, monkeypatch):
     for o, lse in ((o_ng, lse_ng), (o_inf, lse_inf), (o_plain, lse_plain)):
         assert o.grad_fn is None and not o.requires_grad
         assert torch.equal(o, o_train.detach()) and torch.equal(lse, lse_train.detach())
+
+
+def test_drop_in_window_alibi_and_generator_reach_the_kernels():
+    """flash_attn_func's window_size=(0, 0) lets each query see its own key only (out == v at N = M);
+    its dropout follows the generator passed; ALiBi slopes given as a non-contiguous (B, Hq) view
+    give the contiguous slopes' result (float16 on DEVICE: the kernels)."""
+    from devices import DEVICE
+
+    q, k, v = (x.to(DEVICE, torch.float16).transpose(1, 2) for x in qkv(n=10, m=10, d=16, h_q=2, h_kv=2))
+    out = flashattn.flash_attn_func(q, k, v, window_size=(0, 0))
+    torch.testing.assert_close(out, v, rtol=0, atol=1e-3)
+    runs = [flashattn.flash_attn_func(q, k, v, dropout_p=0.5, generator=torch.Generator(DEVICE).manual_seed(s))
+            for s in (1, 1, 2)]
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    slopes = (torch.rand(1, 4, dtype=torch.float32, device=DEVICE) * 4)[:, ::2]  # (B, Hq), every other slope
+    assert not slopes.is_contiguous()
+    a = flashattn.flash_attn_func(q, k, v, alibi_slopes=slopes)
+    b = flashattn.flash_attn_func(q, k, v, alibi_slopes=slopes.contiguous())
+    assert torch.equal(a, b)
+
+
+def test_a_cached_description_does_not_let_other_dtypes_through():
+    """After a valid call, the same shapes with q or the ALiBi slopes in another dtype still raise."""
+    slopes = torch.ones(4)
+    flashattn.attention(q0, k0, v0, alibi_slopes=slopes)
+    with pytest.raises(TypeError):
+        flashattn.attention(q0.double(), k0, v0, alibi_slopes=slopes)
+    with pytest.raises((TypeError, ValueError)):
+        flashattn.attention(q0, k0, v0, alibi_slopes=slopes.double())

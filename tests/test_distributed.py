@@ -546,3 +546,12 @@ def test_benchmark_dry_run_with_two_processes(tmp_path):
         ring = row["ring"]
         assert ring["fwd_ms"] > 0 and ring["fwd_bwd_ms"] > 0 and len(ring["compute_ms_per_rank"]) == 2
         assert ring["fwd_tflops_per_gpu"] > 0 and ring["balance"] >= 0
+
+
+def test_shard_and_unshard_refuse_what_they_cannot_cut():
+    """A rank outside the world, and zig-zag shards of odd length, raise instead of cutting wrong rows."""
+    x = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="rank must be in"):
+        fd.shard_sequence(x, 2, 2, layout="zigzag")
+    with pytest.raises(ValueError, match="2 equal chunks"):
+        fd.unshard_sequence([torch.randn(1, 2, 3, 16)] * 2, layout="zigzag")

@@ -306,10 +306,15 @@ def _bad_calls():
         (call(opts=dict(causal=1)), TypeError, "causal must be a bool"),
         (call(opts=dict(scale=-1.0)), ValueError, "scale must be finite and non-negative"),
         (call(k=k.float(), v=v.float()), TypeError, "share one dtype"),
+        (call(cu_q=cu_q[:1], cu_k=cu_k[:1]), ValueError, "cu_seqlens_q must be 1-D with B"),
+        (call(max_q=-1), ValueError, "max_seqlen_q must be >= 0"),
+        (call(q=q[:, :0]), ValueError, "positive multiple"),
+        # on the CPU the values are checked even with validate=False (no sync to save there)
+        (call(cu_q=i32([0, 3, 7]), opts=dict(validate=False)), ValueError, "must end at the number of rows of q (8)"),
     ]
 
 
-@pytest.mark.parametrize("index", range(14))
+@pytest.mark.parametrize("index", range(18))
 def test_bad_input_raises_a_clear_error(index):
     fn, exc, words = _bad_calls()[index]
     with pytest.raises(exc, match=words.replace("(", r"\(").replace(")", r"\)")):
