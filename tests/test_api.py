@@ -318,3 +318,33 @@ def test_a_cached_description_does_not_let_other_dtypes_through():
         flashattn.attention(q0.double(), k0, v0, alibi_slopes=slopes)
     with pytest.raises((TypeError, ValueError)):
         flashattn.attention(q0, k0, v0, alibi_slopes=slopes.double())
+
+
+def test_head_dims_at_both_ends_of_the_range_run():
+    """D = 16 and D = 256, the ends of the accepted range, run (the reference path here)."""
+    for d in (16, 256):
+        q, k, v = qkv(d=d)
+        o = flashattn.attention(q, k, v, causal=True)
+        torch.testing.assert_close(o.double(), naive_attention(q.double(), k.double(), v.double(), True)[0],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_a_call_without_dropout_draws_nothing_from_the_global_generator():
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    flashattn.attention(q0, k0, v0)
+    flashattn.flash_attn_func(q0.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2), dropout_p=0.0)
+    assert torch.equal(torch.rand(3), want)
+
+
+def test_the_description_cache_is_bounded():
+    """Descriptions are kept per call signature; a loop over ever new shapes starts the cache over
+    instead of growing it without bound."""
+    from flashattn import api
+
+    api._DESCRIBED.clear()
+    for b in range(1, 4200):
+        q = torch.empty(b, 1, 1, 16)
+        api._described(q, q, q, False, None, False, None, 0.0, None, 0.0)
+    assert 0 < len(api._DESCRIBED) <= 4097

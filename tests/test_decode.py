@@ -237,6 +237,9 @@ def test_cpu_float_inputs_run_the_reference():
     o, lse = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k_new=k_new, v_new=v_new,
                                     return_lse=True)
     assert torch.allclose(o, o_ref, atol=1e-12) and torch.equal(lse.isinf(), lse_ref.isinf())
+    assert o.dtype == lse.dtype == torch.float64  # float64 stays float64, the LSE included
+    seen = ~lse_ref.isinf()
+    assert seen.any() and torch.allclose(lse[seen], lse_ref[seen], rtol=0, atol=1e-12)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
