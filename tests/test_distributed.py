@@ -421,6 +421,10 @@ def test_errors_without_a_process_group():
         fd.ring_attention(q, k, v, layout="striped")
     with pytest.raises(ValueError, match="head dim"):  # the single-device contract is checked first
         fd.ring_attention(*random_qkv(1, 2, 2, 4, 4, 8))
+    for shape in ((0, 2, 4, 16), (1, 2, 0, 16)):  # an empty shard is refused, unlike single-device empties
+        x = torch.randn(shape)
+        with pytest.raises(ValueError, match="at least one batch"):
+            fd.ring_attention(x, x, x)
 
 
 def test_import_does_not_start_anything():
