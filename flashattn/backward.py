@@ -491,7 +491,7 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
             return dq.zero_(), dk.zero_(), dv.zero_()
         # (total, H, D) viewed as (1, H, total, D); the row-wise preprocess sees one sequence of total_q rows
         do, q, k, v, o, dq_view, dk_view, dv_view = (heads_first(x) for x in (do, q, k, v, o, dq, dk, dv))
-        cu_q, cu_k = (c.contiguous() for c in packing)  # read at unit stride by the kernels
+        cu_q, cu_k = packing
         n_q, n_k, batch = p.total_q, p.total_k, 1
     else:
         n_q, n_k, batch = p.n, p.m, p.batch

@@ -22,6 +22,12 @@ def head_dim_block(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
+def _scale(scale, head_dim: int) -> float:
+    """The softmax scale: 1 / sqrt(D) for None, and -0.0 as 0.0 (the two hash alike, so a cached
+    description of one serves the other)."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale) + 0.0
+
+
 @dataclass(frozen=True)
 class Problem:
     batch: int  # B
@@ -65,7 +71,7 @@ class Problem:
         """
         batch, heads_q, n, head_dim = q.shape
         m = k.shape[2]
-        scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale) + 0.0  # -0.0 as 0.0: hashed alike
+        scale = _scale(scale, head_dim)
         if window is not None:
             left, right = schedule.window_bounds(n, m, bool(causal), tuple(window))
             # left >= m - 1 and right >= n - 1 (0 when causal) reach every key already
@@ -81,7 +87,7 @@ class Problem:
                causal: bool = False, scale: float | None = None) -> "Problem":
         """The description of packed attention of q (total_q, Hq, D) over k (total_k, Hkv, D)."""
         total_q, heads_q, head_dim = q.shape
-        scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale) + 0.0  # -0.0 as 0.0: hashed alike
+        scale = _scale(scale, head_dim)
         return cls(n_seqs, heads_q, k.shape[1], int(max_seqlen_q), int(max_seqlen_k), head_dim, q.dtype,
                    bool(causal), scale, varlen=True, total_q=total_q, total_k=k.shape[0])
 

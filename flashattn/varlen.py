@@ -123,6 +123,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         check_flag(name, flag)
     check_scale(scale)
     scale = None if scale is None else float(scale)  # None: 1 / sqrt(D), taken by Problem or the operator
+    # the kernels read cu_seqlens at unit stride; made so once here (a no-op when they are), and the
+    # backward gets them from the forward
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     compiling = torch.compiler.is_compiling()
     if not compiling and (validate or q.device.type == "cpu"):
         _check_cu_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
