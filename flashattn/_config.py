@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashattn import schedule
+from flashattn._memo import remember
 from flashattn.problem import Problem
 
 
@@ -272,15 +273,13 @@ def gluon_kernel(kernel: str, problem: Problem, device: torch.device) -> bool:
     key = (kernel, problem, device.index)
     found = _GLUON.get(key)
     if found is None:
-        if len(_GLUON) > 4096:  # many distinct lengths: start over rather than grow without bound
-            _GLUON.clear()
         p = problem
-        found = _GLUON[key] = (
+        found = remember(_GLUON, key, (
             kernel in GLUON_HEAD_DIMS and p.head_dim in GLUON_HEAD_DIMS[kernel] and not is_interpreter()
             and not (p.varlen or p.window is not None or p.softcap or p.alibi or p.dropout_p) and p.scale > 0
             and p.batch * p.heads_q * p.n * p.m * p.head_dim >= GLUON_MIN_WORK[(kernel, p.head_dim)][int(p.causal)]
             and _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
-            and _gluon_available(kernel))
+            and _gluon_available(kernel)))
     return found
 
 
@@ -412,9 +411,7 @@ def choose(kernel: str, problem: Problem, device: torch.device, launch) -> Kerne
                 continue
             if ms < best_ms:
                 best, best_ms = cfg, ms
-        if len(_TUNED) > 4096:
-            _TUNED.clear()
-        _TUNED[full_key] = best if best is not None else get_config(kernel, problem, device)
+        remember(_TUNED, full_key, best if best is not None else get_config(kernel, problem, device))
     return _TUNED[full_key]
 
 
@@ -483,7 +480,5 @@ def plan(kernel: str, problem: Problem, device: torch.device, launch) -> Plan:
             return found
     result = plan_for(kernel, problem, device, choose(kernel, problem, device, launch))
     if cacheable:
-        if len(_PLANS) > 4096:  # many distinct lengths: start over rather than grow without bound
-            _PLANS.clear()
-        _PLANS[key] = result
+        remember(_PLANS, key, result)
     return result

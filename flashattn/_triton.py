@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from flashattn import _config, constants, schedule
+from flashattn._memo import remember
 
 # Kernels may read module globals only when they are constexpr; host code uses ``.value``.
 LOG2E = tl.constexpr(constants.LOG2E)
@@ -540,8 +541,6 @@ class Recording:
                 or not {id(inputs[i]) for i in shared}.isdisjoint(others)
                 or any(a is c for a in on_side for c in self.counters)):  # counters: current-stream launches only
             return
-        if len(_RECIPES) > 4096:  # many distinct lengths: start over rather than grow without bound
-            _RECIPES.clear()
         steps = []
         for entry in self.steps:
             if not isinstance(entry, tuple):  # a stream switch (fork, join)
@@ -550,11 +549,11 @@ class Recording:
             kernel, direct, grid, args, side = entry
             step = _Step.bind(direct, grid, args, roles, free, _unspecialized(kernel), side)
             if step is None:
-                _RECIPES[self.key] = None  # this key's calls always take the launchers' own path
+                remember(_RECIPES, self.key, None)  # this key's calls always take the launchers' own path
                 return
             steps.append(step)
         layouts = tuple((tuple(x.shape), x.stride(), x.dtype) for x in outputs)
-        _RECIPES[self.key] = Recipe(tuple(steps), layouts, len(self.counters), outputs[0].device)
+        remember(_RECIPES, self.key, Recipe(tuple(steps), layouts, len(self.counters), outputs[0].device))
 
 
 class _Fork:
@@ -838,8 +837,6 @@ def launch(kernel, grid, args: tuple, constexprs: dict, options: dict, record: R
             _FAST_LAUNCH[0] = False
     compiled = kernel[grid](*args, **constexprs, **options)
     if compiled is not None:
-        if len(_COMPILED) > 4096:  # many distinct lengths: start over rather than grow without bound
-            _COMPILED.clear()
         compiled = compiled.result() if hasattr(compiled, "result") else compiled
-        _COMPILED[signature] = (kernel, compiled, _DirectLaunch.of(compiled, len(args) + len(constexprs)))
+        remember(_COMPILED, signature, (kernel, compiled, _DirectLaunch.of(compiled, len(args) + len(constexprs))))
 # --8<-- [end:launch]

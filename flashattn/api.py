@@ -12,6 +12,7 @@ import numbers
 import torch
 
 from flashattn import ops
+from flashattn._memo import remember
 from flashattn.autograd import AttentionFunction, attention_apply
 from flashattn.ops import KERNEL_DTYPES
 from flashattn.problem import Problem
@@ -198,9 +199,7 @@ def _described(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes
     problem = Problem.of(q, k, causal, scale, window=window, softcap=softcap, alibi=alibi_slopes is not None,
                          dropout_p=float(dropout_p))
     if signature is not None:
-        if len(_DESCRIBED) > 4096:  # many distinct shapes: start over rather than grow without bound
-            _DESCRIBED.clear()
-        _DESCRIBED[signature] = problem
+        remember(_DESCRIBED, signature, problem)
     return problem
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from flashattn import _config
+from flashattn._memo import remember
 from flashattn.autograd import backend
 from flashattn.problem import Problem
 
@@ -70,9 +71,7 @@ def _problem(q, k, causal, scale, window_left, window_right, softcap, alibi_slop
         window = (None if window_left < 0 else window_left, None if window_right < 0 else window_right)
         problem = Problem.of(q, k, causal, scale, window=window, softcap=softcap, alibi=alibi_slopes is not None,
                              dropout_p=dropout_p)
-        if len(_PROBLEMS) > 4096:  # many distinct shapes: start over rather than grow without bound
-            _PROBLEMS.clear()
-        _PROBLEMS[key] = problem
+        remember(_PROBLEMS, key, problem)
     return problem
 
 

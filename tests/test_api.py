@@ -338,13 +338,44 @@ def test_a_call_without_dropout_draws_nothing_from_the_global_generator():
     assert torch.equal(torch.rand(3), want)
 
 
-def test_the_description_cache_is_bounded():
+def test_the_description_cache_is_bounded(monkeypatch):
     """Descriptions are kept per call signature; a loop over ever new shapes starts the cache over
     instead of growing it without bound."""
-    from flashattn import api
+    from flashattn import _memo, api
 
+    monkeypatch.setattr(_memo, "LIMIT", 50)
     api._DESCRIBED.clear()
-    for b in range(1, 4200):
+    for b in range(1, 120):
         q = torch.empty(b, 1, 1, 16)
         api._described(q, q, q, False, None, False, None, 0.0, None, 0.0)
-    assert 0 < len(api._DESCRIBED) <= 4097
+    assert 0 < len(api._DESCRIBED) <= 50
+
+
+def test_remember_starts_a_full_table_over(monkeypatch):
+    from flashattn import _memo
+
+    monkeypatch.setattr(_memo, "LIMIT", 3)
+    table = {}
+    assert [_memo.remember(table, i, -i) for i in range(3)] == [0, -1, -2]
+    assert table == {0: 0, 1: -1, 2: -2}
+    _memo.remember(table, 1, 5)  # full: starts over, then stores
+    assert table == {1: 5}
+
+
+def test_every_memo_table_fills_through_remember():
+    """The package's per-call tables (descriptions, plans, Gluon choices, tuned configs, recipes,
+    compiled kernels) take entries only through ``remember``, so each is bounded: no line of the
+    package stores into one directly."""
+    import pathlib
+    import re
+
+    tables = ("_DESCRIBED", "_PROBLEMS", "_PLANS", "_GLUON", "_TUNED", "_RECIPES", "_COMPILED")
+    package = pathlib.Path(flashattn.__file__).parent
+    stores = re.compile(r"\b(%s)\[[^\]]*\]\s*=(?!=)|\b(%s)\.(setdefault|update)\(" % ("|".join(tables), "|".join(tables)))
+    found = {name: 0 for name in tables}
+    for path in package.glob("*.py"):
+        text = path.read_text()
+        assert not stores.search(text), f"{path.name}: {stores.search(text).group(0)}"
+        for name in tables:
+            found[name] += len(re.findall(r"remember\(%s," % name, text))
+    assert all(found.values()), found

@@ -427,6 +427,16 @@ def test_errors_without_a_process_group():
             fd.ring_attention(x, x, x)
 
 
+def test_an_nccl_group_refuses_cpu_tensors(monkeypatch):
+    """Under a process group whose backend is NCCL (faked: no GPU needed), CPU shards are refused
+    with the contract's ValueError before any exchange."""
+    monkeypatch.setattr(fd.dist, "is_available", lambda: True)
+    monkeypatch.setattr(fd.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(fd.dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(ValueError, match="uses NCCL"):
+        fd.ring_attention(*random_qkv(1, 2, 2, 4, 4, 16))
+
+
 def test_import_does_not_start_anything():
     import flashattn.distributed
 

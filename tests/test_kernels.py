@@ -834,14 +834,17 @@ def test_subclass_and_numpy_arguments_on_the_compiled_path(monkeypatch):
         flashattn.attention_with_kvcache(q, *cache, cache_seqlens=np.int64(40), num_splits=np.int64(2))
 
 
-def test_plan_cache_is_bounded():
+def test_plan_cache_is_bounded(monkeypatch):
     """Plans are kept per problem; a loop over ever new lengths starts the cache over instead of
     growing it without bound (as the other per-problem caches do)."""
+    from flashattn import _memo
+
+    monkeypatch.setattr(_memo, "LIMIT", 50)
     _config._PLANS.clear()
-    for n in range(1, 4200):
+    for n in range(1, 120):
         p = Problem(1, 2, 2, n, n, 64, torch.float16, False, 0.125)
         _config.plan("fwd", p, torch.device("cpu"), None)
-    assert 0 < len(_config._PLANS) <= 4097
+    assert 0 < len(_config._PLANS) <= 50
 
 
 def test_direct_launch_only_for_the_launcher_it_knows():
@@ -1035,6 +1038,45 @@ def test_gpu_replayed_calls_match_the_full_path(monkeypatch):
         assert _launches_a_hook_sees(lambda: flashattn.attention(q, k, v, **kw)) == 1
 
 
+def test_autotuning_times_each_candidate_once_and_a_pinned_tile_wins(monkeypatch):
+    """With FLASHATTN_AUTOTUNE=1 on a GPU (faked here, timings included) the first call of a problem
+    times every candidate of tuning_space, skips one that fails to launch, keeps the fastest and
+    reuses it; a tile pinned with tuning() is taken as it is, with nothing timed."""
+    import triton.testing
+
+    monkeypatch.setenv("FLASHATTN_AUTOTUNE", "1")
+    monkeypatch.setattr(_config, "is_interpreter", lambda: False)
+    monkeypatch.setattr(_config, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(_config, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(_config, "_TUNED", {})
+    gpu0, p = torch.device("cuda", 0), _problem(n=2048, m=2048, d=64, causal=False)
+    space = _config.tuning_space("fwd", p, gpu0)
+    assert len(space) > 3
+    fastest, broken, launched = space[3], space[1], []
+
+    def launch(cfg):
+        launched.append(cfg)
+        if cfg == broken:
+            raise RuntimeError("out of shared memory")
+
+    def bench(fn, **kwargs):
+        fn()
+        return 1.0 if launched[-1] == fastest else 2.0
+
+    monkeypatch.setattr(triton.testing, "do_bench", bench)
+    assert _config.choose("fwd", p, gpu0, launch) == fastest
+    assert launched == space
+    assert _config.choose("fwd", p, gpu0, launch) == fastest and launched == space  # remembered
+    pinned = _config.KernelConfig(32, 32, 2, 1)
+    with _config.tuning(fwd=pinned):
+        assert _config.choose("fwd", _problem(n=1024, m=1024, d=64, causal=False), gpu0, launch) == pinned
+    assert launched == space  # nothing timed under the pin
+    monkeypatch.setenv("FLASHATTN_AUTOTUNE", "0")
+    assert _config.choose("fwd", _problem(n=512, m=512, d=64), gpu0, launch) == \
+        _config.get_config("fwd", _problem(n=512, m=512, d=64), gpu0)
+    assert launched == space
+
+
 @gpu
 @needs_cuda
 def test_gpu_autotuned_path(monkeypatch):
@@ -1117,6 +1159,9 @@ def test_gluon_kernels_run_only_where_the_rule_says(monkeypatch):
         assert not _config.gluon_kernel("fwd", _problem(**variant), gpu0), variant
         assert not _config.gluon_kernel("bwd_dkdv", _problem(**variant), gpu0), variant
         assert not _config.gluon_kernel("bwd_dq", _problem(**variant), gpu0), variant
+    for scale in (0.0, -0.125):  # the Gluon kernels assume a positive scale (the row maximum's side)
+        assert not any(_config.gluon_kernel(kernel, _problem(scale=scale), gpu0) for kernel in ("fwd", "bwd_dkdv", "bwd_dq"))
+    assert _config.gluon_kernel("fwd", _problem(scale=1e-3), gpu0)
     with _config.tuning(gluon=False):
         assert not _config.gluon_kernel("fwd", big, gpu0)
     with _config.tuning(fwd=_config.KernelConfig(128, 64, 4, 2)):

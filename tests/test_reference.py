@@ -187,8 +187,14 @@ def test_block_grid_check_catches_wrong_grids():
 def test_schedule_is_exact(n, m, block_m, block_n, causal):
     """Skipped tiles hold no visible pair, full tiles no masked pair, and the walks cover every visible pair."""
     mask = causal_mask(n, m) if causal else torch.ones(n, m, dtype=torch.bool)
-    assert_block_grid_is_exact(mask, schedule.block_grid(n, m, block_m, block_n, causal), block_m, block_n)
+    grid = schedule.block_grid(n, m, block_m, block_n, causal)
+    assert_block_grid_is_exact(mask, grid, block_m, block_n)
     assert int(mask.sum()) == cost.visible_pairs(n, m, causal)
+    # and no work is wasted on masks: every whole tile that sees all its pairs is marked full
+    for bi, row in enumerate(grid):
+        for bj, kind in enumerate(row):
+            tile = mask[bi * block_m:(bi + 1) * block_m, bj * block_n:(bj + 1) * block_n]
+            assert kind == schedule.FULL or not (tile.all() and tile.shape[1] == block_n), (bi, bj, kind)
     # The dK/dV walk: every visible pair lies in a visited query block, and query blocks marked as
     # fully visible really see the whole key block.
     for start_n in range(0, m, block_n):
@@ -206,6 +212,7 @@ def test_launch_order_visits_every_block_once_longest_first(n_heads, n_blocks, p
     launches before every program of a lower rank has."""
     g = schedule.heads_per_group(n_heads, n_blocks, programs)
     assert n_heads % g == 0 and (g == 1 or g * n_blocks <= programs)
+    assert not any(n_heads % h == 0 and h * n_blocks <= programs for h in range(g + 1, n_heads + 1))  # the largest
     order = [schedule.launch_order(pid, n_blocks, g) for pid in range(n_heads * n_blocks)]
     assert sorted(order) == [(r, h) for r in range(n_blocks) for h in range(n_heads)]
     for pid, (rank, head) in enumerate(order):

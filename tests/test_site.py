@@ -268,9 +268,11 @@ def test_timeline_figure_follows_the_dkdv_kernel_switches(monkeypatch):
 
     monkeypatch.setattr(hopper_bwd, "OVERLAP", False)
     dv, ds = ops("dV"), ops("dS")
+    assert len(dv) >= 4 and dv.keys() == ds.keys()  # both consumers, several steps, one dS^T per dV
     assert all(dv[key][0] >= ds[key][2] for key in dv)  # dV issued once dS^T is done
     monkeypatch.setattr(hopper_bwd, "OVERLAP", True)
     dv, ds = ops("dV"), ops("dS")
+    assert len(dv) >= 4 and dv.keys() == ds.keys()
     assert all(dv[key][0] < ds[key][2] for key in dv)  # dV issued before dS^T is done
     for stages in (1, 2):
         monkeypatch.setattr(hopper_bwd, "STAGES", stages)

@@ -103,6 +103,10 @@ def test_window_schedule_is_exact(n, m, block_m, block_n, causal, left, right):
     mask = _visible(n, m, causal, window, "cpu")
     grid = schedule.block_grid(n, m, block_m, block_n, causal, window=window)
     assert_block_grid_is_exact(mask, grid, block_m, block_n)
+    for bi, row in enumerate(grid):  # a whole tile that sees all its pairs is full (the last, ragged
+        for bj, kind in enumerate(row):  # query block's window is taken over block_m rows: not checked)
+            tile = mask[bi * block_m:(bi + 1) * block_m, bj * block_n:(bj + 1) * block_n]
+            assert kind == schedule.FULL or not (tile.all() and tile.shape == (block_m, block_n)), (bi, bj, kind)
     left_k, right_k = schedule.window_bounds(n, m, causal, window)
     for start_m in range(0, n, block_m):
         lo, full_start, full_end, hi = schedule.window_dq_key_range(start_m, block_m, block_n, n, m, left_k, right_k)
