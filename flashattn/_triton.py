@@ -252,13 +252,6 @@ def addressable(x: torch.Tensor) -> torch.Tensor:
     return view
 
 
-def dense_like(x: torch.Tensor) -> torch.Tensor:
-    """An uninitialized tensor shaped like ``x``, keeping its memory layout where the last dim is dense
-    (e.g. (B, N, H, D) for a transposed view), so outputs match their inputs' layout."""
-    out = torch.empty_like(x)
-    return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
 def heads_first(x: torch.Tensor) -> torch.Tensor:
     """A packed (total, H, D) tensor viewed as the (1, H, total, D) tensor the kernels address: a
     transpose, no copy. Its row stride is the packed tensor's, so slices of a packed qkv work too."""

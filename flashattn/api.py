@@ -64,12 +64,18 @@ def check_flag(name: str, value) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
+def _finite(x) -> bool:
+    """Whether the real number ``x`` is finite, written as comparisons so that torch.compile can trace
+    it for a symbolic float (math.isfinite breaks the graph)."""
+    return -math.inf < x < math.inf
+
+
 def check_scale(scale) -> None:
     """The softmax scale: None (1 / sqrt(D)) or a finite real number >= 0."""
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-        if not math.isfinite(scale) or scale < 0:
+        if not _finite(scale) or scale < 0:
             raise ValueError(f"scale must be finite and non-negative, got {scale}")
 
 
@@ -92,13 +98,17 @@ def _check_inputs(q, k, v, causal, scale, allow_empty: bool = False):
     check_dtype_for_device(q, "q, k, v")
 
 
-def _autocast(q, k, v):
-    """Inside ``torch.autocast("cuda")``, float32 (and other 16-bit) CUDA inputs run in the autocast
-    dtype, as ``scaled_dot_product_attention`` does; outside it nothing changes."""
-    if not (isinstance(q, torch.Tensor) and q.is_cuda and torch.is_autocast_enabled("cuda")):
+def autocast_inputs(q, k, v):
+    """Inside ``torch.autocast`` for q's device (CUDA or CPU), float32 (and other 16-bit) inputs on that
+    device run in the autocast dtype, as ``scaled_dot_product_attention`` does; outside it nothing
+    changes."""
+    if not isinstance(q, torch.Tensor):
         return q, k, v
-    dtype = torch.get_autocast_dtype("cuda")
-    cast = (lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_cuda
+    device = "cuda" if q.is_cuda else "cpu" if q.device.type == "cpu" else None
+    if device is None or not torch.is_autocast_enabled(device):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    cast = (lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.device.type == device
             and x.dtype in (torch.float32, torch.float16, torch.bfloat16) else x)
     return cast(q), cast(k), cast(v)
 
@@ -123,7 +133,7 @@ def _check_variants(q, window, softcap, alibi_slopes, dropout_p):
     if softcap is not None:
         if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
             raise TypeError(f"softcap must be a real number or None, got {type(softcap).__name__}")
-        if not math.isfinite(softcap) or softcap < 0:
+        if not _finite(softcap) or softcap < 0:
             raise ValueError(f"softcap must be finite and >= 0 (0 or None: off), got {softcap}")
     softcap = float(softcap or 0.0)
     if alibi_slopes is not None:
@@ -203,13 +213,34 @@ def _described(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes
     return problem
 
 
+def _restored_by_checkpoint(generator) -> bool:
+    """Whether ``torch.utils.checkpoint`` puts ``generator`` back before it recomputes a forward: the
+    default generators, whose states it saves (``preserve_rng_state``), and no other."""
+    if generator is None or generator is torch.default_generator:
+        return True
+    index = generator.device.index
+    return (generator.device.type == "cuda" and torch.cuda.is_initialized() and index is not None
+            and generator is torch.cuda.default_generators[index])
+
+
+_CHECKPOINTED_GENERATOR = (
+    "flashattn.attention was called with dropout and a generator of your own while autograd was running a "
+    "backward, which is how torch.utils.checkpoint recomputes a forward: it does not restore that generator, "
+    "so the recomputed forward would draw another dropout mask and the gradients would not be those of the "
+    "output the loss saw. Pass seed= (the same for the first call and its recomputation) or leave "
+    "generator=None (torch's default generator, which checkpoint restores)")
+
+
 def _dropout_seed(dropout_p, generator, seed) -> int:
     """The seed of this call's dropout mask: ``seed`` itself, or one draw from ``generator`` (torch's
-    default CPU generator when None, so ``torch.manual_seed`` makes a run repeatable)."""
+    default CPU generator when None, so ``torch.manual_seed`` makes a run repeatable). A draw from a
+    generator checkpoint does not restore is refused inside a backward (a recomputed forward)."""
     if dropout_p == 0:
         return 0
     if seed is not None:
         return int(seed)
+    if torch._C._current_graph_task_id() != -1 and not _restored_by_checkpoint(generator):
+        raise RuntimeError(_CHECKPOINTED_GENERATOR)
     device = generator.device if generator is not None else "cpu"
     return int(torch.randint(0, MAX_SEED, (), generator=generator, device=device, dtype=torch.int64))
 
@@ -250,7 +281,10 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
             same seed gives bitwise the same outputs and gradients. No train/eval switch: pass 0 to
             turn it off.
         generator: ``torch.Generator`` to draw the dropout seed from (one draw per call); torch's
-            default CPU generator when None and no ``seed`` is given.
+            default CPU generator when None and no ``seed`` is given. Under
+            ``torch.utils.checkpoint``, which recomputes the forward during the backward, use
+            ``seed`` or the default generator (checkpoint restores its state): a call that would
+            draw from another generator while autograd runs a backward raises ``RuntimeError``.
         seed: the dropout seed itself, an int in [0, 2**62); excludes ``generator``. Under
             ``torch.compile``, dropout needs an explicit ``seed``.
 
@@ -265,13 +299,13 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     ``torch.compile``).
 
     CUDA tensors (float16, bfloat16) run the Triton kernels on their own device, whatever the current
-    device is; inside ``torch.autocast("cuda")`` float32 inputs run in the autocast dtype. CPU tensors
+    device is; inside ``torch.autocast`` (CUDA or CPU) float32 inputs run in the autocast dtype. CPU tensors
     run the tile-by-tile PyTorch reference, or the same Triton kernels under Triton's interpreter when
     ``TRITON_INTERPRET=1`` was set before triton was imported (float16 and bfloat16 only; float32 and
     float64 use the reference). Under ``torch.compile`` the call is the custom operator
     ``torch.ops.flashattn.attention_forward`` (:mod:`flashattn.ops`), traced without a graph break.
     """
-    q, k, v = _autocast(q, k, v)
+    q, k, v = autocast_inputs(q, k, v)
     if torch.compiler.is_compiling():
         # traced once per graph: the full checks, with no cache keyed by (symbolic) shapes
         window, softcap = _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p)
@@ -328,13 +362,15 @@ def flash_attn_func(
     return_attn_probs: bool = False,
     *,
     generator=None,
+    seed: int | None = None,
 ):
     """Drop-in for ``flash_attn.flash_attn_func``: tensors are (B, N, H, D) instead of (B, H, N, D).
 
     The arguments mean what they mean in FlashAttention 2: ``window_size = (left, right)`` with -1
     (any negative value) for an unbounded side, ``softcap`` 0 for off, ``alibi_slopes`` float32 (H,)
     or (B, H), ``dropout_p`` drawn with ``generator`` (torch's default CPU generator when None; pass
-    ``dropout_p=0.0`` at evaluation). See :func:`attention` for each. The kernels are always
+    ``dropout_p=0.0`` at evaluation) or from the explicit ``seed`` (what dropout needs under
+    ``torch.compile``). See :func:`attention` for each. The kernels are always
     deterministic, so ``deterministic`` is accepted and has no effect. With ``return_attn_probs`` the
     result is ``(out, softmax_lse, None)``, the LSE shaped (B, H, N); flashattn never materializes
     the probabilities.
@@ -354,7 +390,7 @@ def flash_attn_func(
         out, lse = attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=softmax_scale,
             return_lse=True, window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-            generator=generator,
+            generator=generator, seed=seed,
         )
     except ValueError:
         restated = _shapes_as_passed(q, k, v)

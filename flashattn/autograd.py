@@ -16,6 +16,26 @@ from flashattn import _config, reference
 from flashattn.problem import Problem
 
 
+def dense_like(x: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor shaped like ``x``: the layout every backend gives its outputs (and the
+    custom operators' fake tensors promise). ``x``'s own where its last dim is dense (e.g. (B, N, H, D)
+    for a transposed view, so outputs match their inputs' layout), contiguous otherwise."""
+    out = torch.empty_like(x)
+    return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def in_layout(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``x`` in :func:`dense_like`'s layout for ``like`` (the reference computes contiguous tensors):
+    itself when it is already, else a copy."""
+    if like.stride(-1) == 1 and x.stride() == like.stride():  # empty_like keeps such a dense layout
+        return x
+    out = dense_like(like)
+    if out.stride() == x.stride():
+        return x
+    out.copy_(x)
+    return out
+
+
 def _variants(problem: Problem, alibi_slopes, seed) -> dict:
     """The reference's keyword arguments for the problem's variants."""
     return dict(window=problem.window, softcap=problem.softcap, alibi_slopes=alibi_slopes if problem.alibi else None,
@@ -27,27 +47,33 @@ def _empty_forward(q, problem: Problem):
     output 0, LSE -inf), answered without a kernel (the reference's loops handle such a problem
     themselves unless it has no key/value head)."""
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return (torch.zeros_like(q),
+    return (dense_like(q).zero_(),
             torch.full((problem.batch, problem.heads_q, problem.n), -torch.inf, dtype=lse_dtype, device=q.device))
 
 
 def _empty_backward(q, k, v):
     """Its gradients: zero (no key: every row's output is the constant 0; no query: no key is seen)."""
-    return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    return dense_like(q).zero_(), dense_like(k).zero_(), dense_like(v).zero_()
 
 
+# The reference runs with autocast off: its float32 arithmetic stays float32 inside torch.autocast("cpu")
+# (the inputs come in the autocast dtype already, flashattn.api.autocast_inputs), as inside the custom operators,
+# which run below autocast.
+@torch.autocast("cpu", enabled=False)
 def _reference_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0):
     if problem.heads_kv == 0:  # no head at all: the reference's head groups need one
         return _empty_forward(q, problem)
-    return reference.online_forward(q, k, v, problem.causal, problem.scale,
-                                    **_variants(problem, alibi_slopes, seed))
+    o, lse = reference.online_forward(q, k, v, problem.causal, problem.scale, **_variants(problem, alibi_slopes, seed))
+    return in_layout(o, q), lse
 
 
+@torch.autocast("cpu", enabled=False)
 def _reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0):
     if problem.heads_kv == 0:
         return _empty_backward(q, k, v)
-    return reference.online_backward(do, q, k, v, o, lse, problem.causal, problem.scale, dlse=dlse,
-                                     **_variants(problem, alibi_slopes, seed))
+    dq, dk, dv = reference.online_backward(do, q, k, v, o, lse, problem.causal, problem.scale, dlse=dlse,
+                                           **_variants(problem, alibi_slopes, seed))
+    return in_layout(dq, q), in_layout(dk, k), in_layout(dv, v)
 
 
 _KERNEL_MODULES: dict = {}  # name -> flashattn.<name>, for the modules that import triton
@@ -79,18 +105,20 @@ def _kernel_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slo
                                                             packing)
 
 
+@torch.autocast("cpu", enabled=False)
 def _varlen_reference_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, packing=None):
     # 16-bit CPU inputs run in float32 and round back, as the tile-by-tile reference does
     wide = q.dtype if q.dtype == torch.float64 else torch.float32
     o, lse = reference.varlen_attention(q.to(wide), k.to(wide), v.to(wide), *packing, problem.causal, problem.scale)
-    return o.to(q.dtype), lse
+    return in_layout(o.to(q.dtype), q), lse
 
 
+@torch.autocast("cpu", enabled=False)
 def _varlen_reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
                                packing=None):
     """The tile-by-tile reference backward (:func:`flashattn.reference.online_backward`), one sequence at a
     time. Not autograd: inside a custom operator autograd does not record."""
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = dense_like(q).zero_(), dense_like(k).zero_(), dense_like(v).zero_()
     cu_q, cu_k = (cu.tolist() for cu in packing)
     heads = (lambda x: x.transpose(0, 1)[None])  # (L, H, D) -> (1, H, L, D)
     for i in range(len(cu_q) - 1):

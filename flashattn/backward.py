@@ -29,7 +29,6 @@ from flashattn._triton import (
     addressable,
     backward_query_range,
     ceil_div,
-    dense_like,
     dq_key_range,
     heads_first,
     interpreter_needs_float32,
@@ -50,6 +49,7 @@ from flashattn._triton import (
     window_dq_key_range,
     window_query_range,
 )
+from flashattn.autograd import dense_like
 from flashattn.problem import Problem
 
 PREPROCESS_BLOCK = 64  # rows per program of the delta kernel (memory bound: any size that fills the GPU)

@@ -33,7 +33,6 @@ from flashattn._triton import (
     LOG2E,
     Descriptors,
     addressable,
-    dense_like,
     dropout_keep,
     forward_key_range,
     heads_first,
@@ -51,6 +50,7 @@ from flashattn._triton import (
     visible,
     window_key_range,
 )
+from flashattn.autograd import dense_like
 from flashattn.problem import Problem
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from flashattn import _config
 from flashattn._memo import remember
-from flashattn.autograd import backend
+from flashattn.autograd import backend, dense_like, in_layout
 from flashattn.problem import Problem
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what the Triton kernels run
@@ -37,24 +37,8 @@ def use_kernels(q: Tensor) -> bool:
     return q.is_cuda or (_config.is_interpreter() and q.dtype in KERNEL_DTYPES)
 
 
-def _like(x: Tensor) -> Tensor:
-    """A fresh tensor with the layout the kernels give their outputs: ``x``'s own where its last dim
-    is dense (a (B, N, H, D) view stays one), contiguous otherwise."""
-    out = torch.empty_like(x)
-    return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
 def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
-def _in_layout(x: Tensor, like: Tensor) -> Tensor:
-    # The reference returns contiguous tensors; an operator must return the layout its fake promises.
-    if x.stride() == like.stride():
-        return x
-    out = _like(like)
-    out.copy_(x)
-    return out
 
 
 _PROBLEMS: dict = {}  # the operators' arguments that describe a call -> its Problem
@@ -81,14 +65,14 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
                       dropout_p: float = 0.0, seed: int = 0) -> tuple[Tensor, Tensor]:
     problem = _problem(q, k, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p)
     o, lse = backend(use_kernels(q))[0](q, k, v, problem, alibi_slopes, seed)
-    return _in_layout(o, q), lse
+    return in_layout(o, q), lse
 
 
 @attention_forward.register_fake
 def _(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
       seed=0):
     b, h_q, n, _ = q.shape
-    return _like(q), q.new_empty((b, h_q, n), dtype=_lse_dtype(q))
+    return dense_like(q), q.new_empty((b, h_q, n), dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("flashattn::attention_backward", mutates_args=())
@@ -98,13 +82,13 @@ def attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, l
                        dropout_p: float = 0.0, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     problem = _problem(q, k, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p)
     dq, dk, dv = backend(use_kernels(q))[1](do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed)
-    return _in_layout(dq, q), _in_layout(dk, k), _in_layout(dv, v)
+    return in_layout(dq, q), in_layout(dk, k), in_layout(dv, v)
 
 
 @attention_backward.register_fake
 def _(do, q, k, v, o, lse, dlse, causal, scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
       dropout_p=0.0, seed=0):
-    return _like(q), _like(k), _like(v)
+    return dense_like(q), dense_like(k), dense_like(v)
 
 
 _VARIANTS = ("window_left", "window_right", "softcap", "alibi_slopes", "dropout_p", "seed")
@@ -141,12 +125,12 @@ def attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
                              scale: float | None) -> tuple[Tensor, Tensor]:
     problem = _packed_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, scale)
     o, lse = backend(use_kernels(q), varlen=True)[0](q, k, v, problem, packing=(cu_seqlens_q, cu_seqlens_k))
-    return _in_layout(o, q), lse
+    return in_layout(o, q), lse
 
 
 @attention_varlen_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale):
-    return _like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+    return dense_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("flashattn::attention_varlen_backward", mutates_args=())
@@ -156,12 +140,12 @@ def attention_varlen_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Te
     problem = _packed_problem(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, scale)
     dq, dk, dv = backend(use_kernels(q), varlen=True)[1](do, q, k, v, o, lse, problem, dlse,
                                                          packing=(cu_seqlens_q, cu_seqlens_k))
-    return _in_layout(dq, q), _in_layout(dk, k), _in_layout(dv, v)
+    return in_layout(dq, q), in_layout(dk, k), in_layout(dv, v)
 
 
 @attention_varlen_backward.register_fake
 def _(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale):
-    return _like(q), _like(k), _like(v)
+    return dense_like(q), dense_like(k), dense_like(v)
 
 
 def _varlen_setup_context(ctx, inputs, output):

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from flashattn.api import (MAX_HEAD_DIM, MIN_HEAD_DIM, check_dtype_for_device, check_flag, check_scale, check_tensors,
-                           is_int)
+from flashattn.api import (MAX_HEAD_DIM, MIN_HEAD_DIM, autocast_inputs, check_dtype_for_device, check_flag,
+                           check_scale, check_tensors, is_int)
 from flashattn.autograd import VarlenFunction
 from flashattn.ops import use_kernels
 from flashattn.problem import Problem
@@ -115,8 +115,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
 
     CUDA tensors (float16, bfloat16) run the Triton kernels; CPU tensors run
     :func:`flashattn.reference.varlen_attention` (float16/bfloat16 in float32), or the kernels under
-    ``TRITON_INTERPRET=1``.
+    ``TRITON_INTERPRET=1``. Inside ``torch.autocast`` (CUDA or CPU) float32 inputs run in the autocast
+    dtype, as for :func:`flashattn.attention`.
     """
+    q, k, v = autocast_inputs(q, k, v)
     _check_tensors(q, k, v)
     _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     for name, flag in (("causal", causal), ("return_lse", return_lse), ("validate", validate)):

@@ -379,3 +379,36 @@ def test_every_memo_table_fills_through_remember():
         for name in tables:
             found[name] += len(re.findall(r"remember\(%s," % name, text))
     assert all(found.values()), found
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_dropout_under_checkpoint(reentrant):
+    """torch.utils.checkpoint recomputes the forward in the backward: with seed= or torch's default
+    generator (whose state checkpoint restores) the recomputation draws the same mask and the gradients
+    equal the plain run's bitwise; with a generator of the caller's own, which checkpoint cannot
+    restore, the recomputation raises instead of pairing another mask with the first call's output."""
+    from torch.utils.checkpoint import checkpoint
+
+    q0, k0, v0 = qkv(n=12, m=12, d=16)
+    w = torch.randn_like(q0)
+
+    def grads(ckpt, **dropout):
+        q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+        generator = dropout.pop("generator", None)
+        if generator is not None:
+            generator.manual_seed(5)
+        torch.manual_seed(3)
+
+        def block(q, k, v):
+            return flashattn.attention(q, k, v, causal=True, dropout_p=0.3, generator=generator, **dropout)
+
+        o = checkpoint(block, q, k, v, use_reentrant=reentrant) if ckpt else block(q, k, v)
+        (o * w).sum().backward()
+        return [x.grad for x in (q, k, v)]
+
+    for dropout in (dict(seed=11), {}):
+        plain, checkpointed = grads(False, **dropout), grads(True, **dropout)
+        assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed)), dropout
+    assert grads(False, generator=torch.Generator())  # outside checkpoint a generator of one's own is fine
+    with pytest.raises(RuntimeError, match="checkpoint"):
+        grads(True, generator=torch.Generator())

@@ -14,6 +14,7 @@ import torch
 
 import flashattn
 from flashattn import ops, schedule
+from flashattn.autograd import dense_like
 from flashattn.reference import naive_attention
 from flashattn.testing import assert_close_ratio, random_qkv
 
@@ -156,6 +157,112 @@ def test_compiled_call_reads_no_float_default(entry):
     assert not read_as_float, read_as_float
     assert not any("as_tensor" in line for line in lines)
     torch._dynamo.reset()
+
+
+def test_compile_fullgraph_takes_a_float_scale_or_softcap_that_is_a_graph_input(monkeypatch):
+    """A float option passed into the compiled function, or computed from a dynamic shape (the usual
+    ``1 / math.sqrt(q.shape[-1])``), traces without a graph break (the checks' finiteness test is
+    traceable) and gives the eager result."""
+    import math
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = _qkv(1, 2, 2, 8, 8, 16, torch.float64, seed=4)
+    cases = [(lambda q, k, v, s: flashattn.attention(q, k, v, scale=s), dict(dynamic=True), (0.1, 0.2)),
+             (lambda q, k, v, s: flashattn.attention(q, k, v, scale=s), {}, (0.1, 0.2)),
+             (lambda q, k, v, s: flashattn.attention(q, k, v, softcap=s), dict(dynamic=True), (2.0, 3.0)),
+             (lambda q, k, v, s: flashattn.attention(q, k, v, scale=1 / math.sqrt(q.shape[-1])), dict(dynamic=True), (0,))]
+    for fn, options, values in cases:
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", **options)
+        for value in values:
+            torch.testing.assert_close(compiled(q, k, v, value), fn(q, k, v, value), rtol=0, atol=1e-12)
+    with pytest.raises(Exception, match="scale must be finite"):  # still checked while tracing
+        torch._dynamo.reset()
+        torch.compile(cases[0][0], fullgraph=True, backend="aot_eager", dynamic=True)(q, k, v, float("inf"))
+
+
+@pytest.mark.parametrize("path", ["reference", "kernels"])
+def test_outputs_and_gradients_keep_the_fake_layout(path, monkeypatch):
+    """Eager and compiled calls, and the operators' fake tensors, agree on the outputs' layout: q's
+    own where its last dim is dense, contiguous otherwise, also for answers made without a kernel
+    (no key) and for the reference (which computes contiguous tensors), so a ``.view`` that works
+    in one works in the other and Inductor's stride asserts hold."""
+    if path == "reference":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    elif HAS_CUDA:
+        pytest.skip("interpreter variant")
+    dtype = torch.float64 if path == "reference" else torch.float16
+    cases = [(torch.randn(1, 9, 2, 16, dtype=dtype).transpose(1, 2), torch.randn(1, 2, 11, 16, dtype=dtype)),  # (B, N, H, D)
+             (torch.randn(1, 5, 16, 2, dtype=dtype).permute(0, 3, 1, 2), torch.randn(1, 2, 0, 16, dtype=dtype)),  # D strided, M = 0
+             (torch.randn(1, 5, 16, 2, dtype=dtype).permute(0, 3, 1, 2), torch.randn(1, 2, 7, 16, dtype=dtype))]
+    for q, k in cases:
+        q, k, v = q.requires_grad_(), k.clone().requires_grad_(), k.clone().requires_grad_()
+        want = [dense_like(x).stride() for x in (q, k, v)]
+        o = flashattn.attention(q, k, v, causal=True)
+        grads = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
+        assert o.stride() == want[0] and [g.stride() for g in grads] == want
+        torch.library.opcheck(torch.ops.flashattn.attention_forward.default, (q, k, v, True, None))
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda q, k, v: flashattn.attention(q, k, v, causal=True) + 1, fullgraph=True)
+        torch.testing.assert_close(compiled(q, k, v), o + 1, rtol=0, atol=0)
+
+
+def test_varlen_reference_backward_keeps_the_fake_layout(monkeypatch):
+    """Packed q, k, v with a strided last-but-one dim ((total, H, D) views of (total, D, H) tensors):
+    the reference backward's gradients come in the operator's promised (contiguous) layout, so the
+    compiled backward and opcheck pass."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = (torch.randn(7, 16, 2, dtype=torch.float64).transpose(1, 2).requires_grad_() for _ in range(3))
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    eager = torch.autograd.grad(flashattn.attention_varlen(q, k, v, cu, cu, 4, 4, causal=True).sum(), (q, k, v))
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, k, v: flashattn.attention_varlen(q, k, v, cu, cu, 4, 4, causal=True).sum(),
+                         fullgraph=True)
+    for g, e in zip(torch.autograd.grad(step(q, k, v), (q, k, v)), eager):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-12)
+    o, lse = torch.ops.flashattn.attention_varlen_forward(q, k, v, cu, cu, 4, 4, True, None)
+    args = (torch.randn_like(o), q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), None, cu, cu, 4, 4, True,
+            None)
+    torch.library.opcheck(torch.ops.flashattn.attention_varlen_backward.default, args)
+
+
+def test_cpu_autocast_runs_float32_in_the_autocast_dtype_eager_and_compiled(monkeypatch):
+    """Inside torch.autocast("cpu"), float32 inputs run in the autocast dtype and the output comes back
+    in it, as with SDPA; eager and compiled calls agree (the reference's own float32 arithmetic is
+    not autocast), for attention and attention_varlen; gradients reach the float32 leaves."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = (x.requires_grad_() for x in _qkv(1, 2, 2, 32, 32, 16, torch.float32, seed=6))
+    fn = lambda q, k, v: flashattn.attention(q, k, v, causal=True)  # noqa: E731
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = fn(q, k, v)
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert eager.dtype == compiled.dtype == sdpa.dtype == torch.bfloat16
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    want = flashattn.attention(*(x.detach().bfloat16().double() for x in (q, k, v)), causal=True)
+    assert (eager.double() - want).abs().max() <= 2 ** -8 * want.abs().max()  # a bfloat16 rounding of the exact result
+    grads = torch.autograd.grad(eager.float().sum(), (q, k, v))
+    assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+    packed = [x.detach()[0].transpose(0, 1) for x in (q, k, v)]  # (total = 32, H, D), one sequence
+    cu = torch.tensor([0, 32], dtype=torch.int32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = flashattn.attention_varlen(*packed, cu, cu, 32, 32, causal=True)
+    assert o.dtype == torch.bfloat16
+    torch.testing.assert_close(o.transpose(0, 1)[None], eager.detach(), rtol=0, atol=2 ** -7)
+
+
+def test_flash_attn_func_dropout_with_a_seed_compiles(monkeypatch):
+    """flash_attn_func takes the explicit dropout seed that torch.compile needs; compiled and eager
+    calls with one seed agree bitwise, and equal attention's with that seed."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = (x.transpose(1, 2) for x in _qkv(1, 2, 2, 8, 8, 16, torch.float64, seed=8))
+    fn = lambda q, k, v: flashattn.flash_attn_func(q, k, v, dropout_p=0.3, seed=7)  # noqa: E731
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v)
+    want = flashattn.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=0.3, seed=7)
+    assert torch.equal(compiled, fn(q, k, v)) and torch.equal(compiled, want.transpose(1, 2))
+    assert not torch.equal(fn(q, k, v), flashattn.flash_attn_func(q, k, v, dropout_p=0.3, seed=8))
 
 
 def test_compiled_call_runs_the_kernels_under_the_interpreter():
