@@ -381,15 +381,20 @@ def test_every_memo_table_fills_through_remember():
     assert all(found.values()), found
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["reference", "kernels"])
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_dropout_under_checkpoint(reentrant):
+def test_dropout_under_checkpoint(reentrant, dtype):
     """torch.utils.checkpoint recomputes the forward in the backward: with seed= or torch's default
-    generator (whose state checkpoint restores) the recomputation draws the same mask and the gradients
+    generators (whose states checkpoint restores) the recomputation draws the same mask and the gradients
     equal the plain run's bitwise; with a generator of the caller's own, which checkpoint cannot
-    restore, the recomputation raises instead of pairing another mask with the first call's output."""
+    restore, the recomputation raises instead of pairing another mask with the first call's output
+    (float16 on DEVICE: the kernels)."""
     from torch.utils.checkpoint import checkpoint
 
-    q0, k0, v0 = qkv(n=12, m=12, d=16)
+    from devices import DEVICE
+
+    device = DEVICE if dtype == torch.float16 else "cpu"
+    q0, k0, v0 = (x.to(device, dtype) for x in qkv(n=12, m=12, d=16))
     w = torch.randn_like(q0)
 
     def grads(ckpt, **dropout):
@@ -406,9 +411,12 @@ def test_dropout_under_checkpoint(reentrant):
         (o * w).sum().backward()
         return [x.grad for x in (q, k, v)]
 
-    for dropout in (dict(seed=11), {}):
-        plain, checkpointed = grads(False, **dropout), grads(True, **dropout)
+    defaults = [dict(seed=11), {}, dict(generator=torch.default_generator)]
+    if device == "cuda":
+        defaults.append(dict(generator=torch.cuda.default_generators[torch.cuda.current_device()]))
+    for dropout in defaults:
+        plain, checkpointed = grads(False, **dict(dropout)), grads(True, **dict(dropout))
         assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed)), dropout
-    assert grads(False, generator=torch.Generator())  # outside checkpoint a generator of one's own is fine
+    assert grads(False, generator=torch.Generator(device))  # outside checkpoint a generator of one's own is fine
     with pytest.raises(RuntimeError, match="checkpoint"):
-        grads(True, generator=torch.Generator())
+        grads(True, generator=torch.Generator(device))
