@@ -168,6 +168,8 @@ class SDPA(Provider):
             with sdpa_kernel(self._backend()):
                 F.scaled_dot_product_attention(q, kv, kv, is_causal=setting.causal, enable_gqa=True)
             return True
+        except torch.cuda.OutOfMemoryError:  # a RuntimeError too, but says nothing about GQA
+            raise
         except RuntimeError:  # "No available kernel": this backend does not take enable_gqa here
             return False
 

@@ -1083,6 +1083,10 @@ def test_variants_section_runs_checks_and_reports_on_cpu():
     assert by[("window-16k", "sdpa_flash")]["status"] == "unsupported"
     assert by[("softcap-8k", "sdpa_flash")]["status"] == "unsupported"
     assert by[("dropout-8k", "sdpa_flash")]["check"]["status"] == "unchecked"
+    # each call's TFLOP/s count the pairs it computes: the plain call of a window row attends causally
+    window, plain = by[("window-16k", "flashattn")], by[("window-16k", "flashattn_plain")]
+    causal_pairs, window_pairs = 48 * 49 // 2, 21 * 22 // 2 + (48 - 21) * 21
+    assert plain["fwd"]["tflops"] / window["fwd"]["tflops"] == pytest.approx(causal_pairs / window_pairs)
     table = variants.markdown(out)
     assert "| window-16k |" in table and "unsupported" in table
 
@@ -1273,3 +1277,23 @@ def test_summary_lists_the_timings_the_host_may_bound(tmp_path):
     near["host_us"] = 0.0
     with pytest.raises(ValueError, match="host_us"):
         results.validate(res)
+
+
+def test_gqa_probe_reads_only_a_missing_kernel_as_no_gqa(monkeypatch):
+    """The SDPA providers probe enable_gqa with a tiny call: "no available kernel" (a RuntimeError) means
+    K/V are repeated instead, but running out of memory, also a RuntimeError, is raised, not read as that."""
+    import torch.nn.functional as F
+
+    sdpa = providers.PROVIDERS["sdpa_flash"]
+    setting = grid.make_setting("float32", 32, True, 64, tokens=64, heads=4, kv_heads=1)
+
+    def fails_with(error):
+        def call(*args, **kwargs):
+            raise error
+        return call
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", fails_with(RuntimeError("No available kernel")))
+    assert sdpa._accepts_gqa(setting, "cpu") is False
+    monkeypatch.setattr(F, "scaled_dot_product_attention", fails_with(torch.cuda.OutOfMemoryError("CUDA out of memory")))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        sdpa._accepts_gqa(setting, "cpu")
