@@ -103,6 +103,16 @@ def test_interpreter_matches_float64(case, dtype):
 
 
 @cpu_only
+def test_interpreter_causal_offset_at_every_residue():
+    """The causal diagonal at every offset M - N against the kernels' key blocks (16 keys forward and
+    dQ, 32 dK/dV): the last full block and the first masked one move with (M - N) mod the block, and
+    a bound off by one key shows up at one residue only, so each residue is run, against float64."""
+    for m in range(2, 51):  # M - N from -16 to 32
+        q, k, v, do = _inputs(1, 1, 1, 18, m, 16, torch.float16, seed=m)
+        _check_against_reference(q, k, v, do, True, 0.25)
+
+
+@cpu_only
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_interpreter_large_logits(causal):
     """Scores scale * q.k near 100 (144 in base 2): exp2 overflows fp32 unless every max is subtracted."""

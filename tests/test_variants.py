@@ -361,8 +361,11 @@ def test_interpreter_softcap_with_huge_logits():
 @cpu_only
 def test_interpreter_dropout_drops_exactly_the_reference_entries():
     """With V = I (M <= D) the output row i is P_i * Z_i / (1 - p): its zeros are the dropped entries,
-    and they are the reference's mask bit for bit, for every batch and head."""
-    b, h, n, m, d, p, seed = 2, 3, 40, 24, 32, 0.25, 31337
+    and they are the reference's mask bit for bit, for every batch and head. The seed draws one lane
+    equal to the threshold, which is kept (a draw below it is dropped)."""
+    b, h, n, m, d, p, seed = 2, 3, 40, 24, 32, 0.25, 31341
+    ties = dropout_keep_mask(seed, b, h, n, m, p) != dropout_keep_mask(seed, b, h, n, m, p + 2 ** -16)
+    assert int(ties.sum()) == 1  # the one entry whose lane equals floor(p * 2^16)
     q, k, _, _ = _inputs(b, h, h, n, m, d, torch.float16, std=0.3, seed=2)
     v = torch.zeros(b, h, m, d, dtype=torch.float16)
     v[:, :, torch.arange(m), torch.arange(m)] = 1.0
@@ -372,6 +375,20 @@ def test_interpreter_dropout_drops_exactly_the_reference_entries():
     # and the kept entries are P / (1 - p)
     p_ref = torch.softmax(q.double() @ k.double().transpose(-1, -2) / math.sqrt(d), dim=-1)
     torch.testing.assert_close(o[..., :m].double()[kept], (p_ref / (1 - p))[kept], rtol=2e-3, atol=1e-4)
+
+
+@cpu_only
+def test_interpreter_window_edges_at_every_offset():
+    """The window's bounds at every offset of the right (and left) edge against the kernels' key
+    blocks (16 keys forward and dQ, 32 dK/dV): a bound off by one key shows up at one residue only,
+    so each residue is run, against float64."""
+    for n, m in ((32, 32), (20, 37)):
+        q, k, v, do = _inputs(1, 1, 1, n, m, 16, torch.float16, seed=n)
+        for right in range(33):
+            _check(q, k, v, do, window=(None, right))
+    q, k, v, do = _inputs(1, 1, 1, 32, 32, 16, torch.float16, seed=3)
+    for left in range(33):
+        _check(q, k, v, do, causal=True, window=(left, 0))
 
 
 @cpu_only
