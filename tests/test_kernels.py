@@ -534,6 +534,17 @@ if HAS_CUDA:  # the two tiles of the GPU table's D = 256 entry, and a D = 64 til
                    ((1, 2, 2, 256, 256, 256), dict(causal=True, dropout_p=0.1, seed=4), "bhnd")]
 
 
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_causal_offset_at_every_residue(d):
+    """The GPU tiles' version of test_interpreter_causal_offset_at_every_residue: the causal offset
+    M - N at every residue modulo 128, the largest key block of the GPU tables, against float64."""
+    for m in range(2, 260):  # M - N from -128 to 129
+        q, k, v, do = _inputs(1, 2, 1, 130, m, d, torch.bfloat16, seed=m)
+        _check_against_reference(q, k, v, do, True, d ** -0.5)
+
+
 @gpu  # and interpreted on the CPU
 @pytest.mark.parametrize("shape, options, layout", SPLIT_CASES, ids=lambda c: str(c))
 def test_dkdv_in_two_launches_is_bitwise_one_launch(shape, options, layout):

@@ -391,6 +391,20 @@ def test_interpreter_window_edges_at_every_offset():
         _check(q, k, v, do, causal=True, window=(left, 0))
 
 
+@gpu
+@needs_cuda
+def test_gpu_window_edges_at_every_offset():
+    """The GPU tiles' version of test_interpreter_window_edges_at_every_offset: the window's right edge
+    at every offset up to 129 keys (past the largest key block, 128), and its left edge likewise."""
+    q, k, v, do = _inputs(1, 2, 1, 200, 200, 64, torch.bfloat16, seed=4)
+    # floor 1e-4: at window (0, 0) each row sees one key, P = 1 and dS = dP - delta cancels to zero in
+    # exact arithmetic; torch's bfloat16 reference gets exactly 0 there, the kernels' float32 dP and delta
+    # (summed in other orders) leave ~1e-5 in dQ. A bound one key off errs by 1e-2 or more.
+    for side in range(130):
+        _check(q, k, v, do, window=(None, side), floor=1e-4)
+        _check(q, k, v, do, causal=True, window=(side, 0), floor=1e-4)
+
+
 @cpu_only
 def test_interpreter_dropout_is_repeatable_and_seeded():
     q, k, v, do = _inputs(1, 2, 2, 37, 29, 16, torch.float16, seed=8)
