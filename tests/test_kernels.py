@@ -103,6 +103,39 @@ def test_interpreter_matches_float64(case, dtype):
 
 
 @cpu_only
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_interpreter_stores_stay_inside_their_outputs(causal, monkeypatch):
+    """Each output the kernels store (o; dq, dk, dv) is given inside a larger buffer, with a guard row
+    after every head's rows and guard columns past D (here 24, padded to 32 in the kernels), all holding
+    a sentinel: after forward and backward the guards still hold it, and the results equal those in
+    plain outputs bit for bit. A store of a padded row or column, or through another tensor's strides,
+    would land in a guard (under the interpreter such a store otherwise only corrupts the heap)."""
+    from flashattn import backward as bwd_mod, forward as fwd_mod
+
+    buffers = []
+
+    def guarded(x):
+        *lead, rows, d = x.shape
+        buf = torch.full((*lead, rows + 1, d + 8), 7.0, dtype=x.dtype, device=x.device)
+        buffers.append((buf, rows, d))
+        return buf[..., :rows, :d]
+
+    q, k, v, do = _inputs(1, 2, 1, 37, 53, 24, torch.float16)
+    p = Problem.of(q, k, causal, 24 ** -0.5)
+    with monkeypatch.context() as m:  # guarded first: a stray store lands in a guard, not in the heap
+        m.setattr(fwd_mod, "dense_like", guarded)
+        m.setattr(bwd_mod, "dense_like", guarded)
+        o, lse = attention_forward(q, k, v, p)
+        outs = (o, *attention_backward(do, q, k, v, o, lse, p))
+    assert len(buffers) == 4 and all(x.stride(-2) == 32 for x in outs)  # o, dq, dk, dv, each in a guarded buffer
+    for buf, rows, d in buffers:
+        assert (buf[..., rows:, :] == 7).all() and (buf[..., d:] == 7).all()
+    plain_o, plain_lse = attention_forward(q, k, v, p)
+    plain = (plain_o, *attention_backward(do, q, k, v, plain_o, plain_lse, p))
+    assert all(torch.equal(a, b) for a, b in zip(outs, plain)) and torch.equal(lse, plain_lse)
+
+
+@cpu_only
 def test_interpreter_causal_offset_at_every_residue():
     """The causal diagonal at every offset M - N against the kernels' key blocks (16 keys forward and
     dQ, 32 dK/dV): the last full block and the first masked one move with (M - N) mod the block, and
