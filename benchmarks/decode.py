@@ -43,6 +43,7 @@ import time
 import torch
 
 from benchmarks import results as results_mod
+from benchmarks.run import package_sources_sha256
 
 H_Q, H_KV, D = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -182,7 +183,7 @@ def run(batches, seqlens, queries, providers, device, modes=MODES) -> dict:
         "what": f"decoding against a full KV cache, non-causal, Hq={H_Q}, Hkv={H_KV}, D={D}, bfloat16",
         "device": torch.cuda.get_device_name(device),
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-                     "cuda": torch.version.cuda},
+                     "cuda": torch.version.cuda, "flashattn_sources_sha256": package_sources_sha256()},
         "copy_bandwidth_gbps": bw_copy / 1e9,
         "modes": list(modes),
         "rows": rows,

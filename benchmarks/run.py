@@ -256,6 +256,13 @@ def sources_sha256(package_dir) -> str:
     return _digest({path.relative_to(root).as_posix(): path.read_bytes() for path in root.rglob("*.py")})
 
 
+def package_sources_sha256() -> str:
+    """:func:`sources_sha256` of the imported ``flashattn``: what every results file records as the code it measured."""
+    import flashattn
+
+    return sources_sha256(Path(flashattn.__file__).parent)
+
+
 def _digest(files: dict) -> str:
     """SHA-256 over ``{relative path: bytes}``, paths sorted: one rule for the files on disk and in git."""
     digest = hashlib.sha256()

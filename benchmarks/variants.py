@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from benchmarks import measure, results as results_mod
+from benchmarks.run import package_sources_sha256
 
 WINDOW = 4096
 SOFTCAP = 50.0
@@ -269,7 +270,8 @@ def main(argv=None) -> int:
                  measure.do_bench_timer(warmup=args.warmup_ms, rep=args.rep_ms))
     result.update(device=torch.cuda.get_device_name(device), wall_s=round(time.monotonic() - t0, 1),
                   versions={"torch": torch.__version__, "triton": triton.__version__,
-                            "python": platform.python_version(), "cuda": torch.version.cuda})
+                            "python": platform.python_version(), "cuda": torch.version.cuda,
+                            "flashattn_sources_sha256": package_sources_sha256()})
     table = markdown(result)
     json_path, md_path = results_mod.save_table(args.out, "variants", result, table)
     print(table)

@@ -35,6 +35,7 @@ import sys
 import torch
 
 from benchmarks import results as results_mod
+from benchmarks.run import package_sources_sha256
 
 from flashattn.cost import attention_flops
 
@@ -219,7 +220,8 @@ def main(argv=None) -> int:
 
     results["environment"] = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
                               "triton": triton.__version__, "python": platform.python_version(),
-                              "tokens": TOKENS, "lengths": [MIN_LEN, MAX_LEN], "dtype": str(DTYPE)}
+                              "tokens": TOKENS, "lengths": [MIN_LEN, MAX_LEN], "dtype": str(DTYPE),
+                              "flashattn_sources_sha256": package_sources_sha256()}
     table = markdown(results)
     results_mod.save_table(args.out, "varlen", results, table)
     print(table)
