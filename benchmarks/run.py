@@ -318,7 +318,7 @@ def environment(device) -> dict:
         import flashattn
 
         ours = getattr(flashattn, "__version__", None)
-        sources = sources_sha256(Path(flashattn.__file__).parent)
+        sources = package_sources_sha256()
     except Exception as exc:  # noqa: BLE001
         ours, sources = f"import failed: {exc}", None
     status = _git("status", "--porcelain", "--", "flashattn")

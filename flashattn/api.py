@@ -104,7 +104,7 @@ def autocast_inputs(q, k, v):
     changes."""
     if not isinstance(q, torch.Tensor):
         return q, k, v
-    device = "cuda" if q.is_cuda else "cpu" if q.device.type == "cpu" else None
+    device = "cuda" if q.is_cuda else "cpu" if q.is_cpu else None  # attributes: cheaper than q.device
     if device is None or not torch.is_autocast_enabled(device):
         return q, k, v
     dtype = torch.get_autocast_dtype(device)
@@ -218,7 +218,7 @@ def _restored_by_checkpoint(generator) -> bool:
     default generators, whose states it saves (``preserve_rng_state``), and no other."""
     if generator is None or generator is torch.default_generator:
         return True
-    index = generator.device.index
+    index = generator.device.index  # None for a generator made as torch.Generator("cuda")
     return (generator.device.type == "cuda" and torch.cuda.is_initialized() and index is not None
             and generator is torch.cuda.default_generators[index])
 
