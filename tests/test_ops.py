@@ -440,6 +440,53 @@ def test_gpu_two_threads_on_two_devices():
     assert not errors, errors
 
 
+def _every_entry_point(device):
+    """Forward and backward of each entry point on ``device``, at shapes that reach each kernel family
+    (portable, the Gluon forward and backward at D = 128 and 256, variants, packed, decoding)."""
+    out = {}
+    shapes = {"portable": (2, 4, 2, 257, 300, 64), "gluon_d128": (4, 16, 16, 1024, 1024, 128),
+              "gluon_d256": (2, 16, 16, 1024, 1024, 256)}
+    for name, shape in shapes.items():
+        for causal in (False, True):
+            q, k, v = (x.requires_grad_() for x in _qkv(*shape, torch.bfloat16, device=device, seed=21))
+            o, lse = flashattn.attention(q, k, v, causal=causal, return_lse=True)
+            o.backward(torch.ones_like(o))
+            out[name, causal] = (o, lse, q.grad, k.grad, v.grad)
+    q, k, v = (x.requires_grad_() for x in _qkv(2, 4, 2, 200, 333, 80, torch.float16, device=device, seed=22))
+    o = flashattn.attention(q, k, v, causal=True, window=(64, 8), softcap=20.0, dropout_p=0.1, seed=5,
+                            alibi_slopes=torch.full((4,), 0.25, device=device))
+    o.backward(torch.ones_like(o))
+    out["variants"] = (o, q.grad, k.grad, v.grad)
+    q, k, v = _qkv(1, 4, 2, 300, 300, 64, torch.float16, device=device, seed=23, layout="bnhd")
+    qv, kv, vv = (x[0].transpose(0, 1).detach().requires_grad_() for x in (q, k, v))  # (300, H, D): 100 + 200
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32, device=device)
+    o = flashattn.attention_varlen(qv, kv, vv, cu, cu, 200, 200, causal=True)
+    o.backward(torch.ones_like(o))
+    out["varlen"] = (o, qv.grad, kv.grad, vv.grad)
+    q, k_cache, v_cache = (x.transpose(1, 2) for x in _qkv(3, 8, 2, 1, 4096, 128, torch.bfloat16, device=device,
+                                                            seed=24, layout="bnhd"))  # (B, N, H, D)
+    lengths = torch.tensor([1, 2000, 4096], dtype=torch.int32, device=device)
+    out["decode"] = flashattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, return_lse=True)
+    return out
+
+
+@gpu
+@needs_two_gpus
+def test_gpu_every_entry_point_on_a_non_current_device_gives_the_current_devices_bits():
+    """The same GPU model, the same kernels: a call on cuda:1 while cuda:0 is current returns what the
+    call on cuda:0 returns, bit for bit, on every kernel family (a launch or scratch buffer on the
+    wrong device would fail or differ), and leaves the current device alone."""
+    torch.cuda.set_device(0)
+    if torch.cuda.get_device_name(0) != torch.cuda.get_device_name(1):
+        pytest.skip("two different GPU models")
+    on_0, on_1 = _every_entry_point("cuda:0"), _every_entry_point("cuda:1")
+    assert torch.cuda.current_device() == 0
+    for key, tensors in on_0.items():
+        for i, (a, b) in enumerate(zip(tensors, on_1[key])):
+            assert b.device == torch.device("cuda:1"), (key, i)
+            assert torch.isfinite(b).any() and torch.equal(a.cpu(), b.cpu()), (key, i)
+
+
 @gpu
 @needs_two_gpus
 def test_gpu_mixed_devices_raise():
