@@ -165,7 +165,9 @@ class Tuning:
     ``configs`` maps a kernel name to the configuration to launch it with; ``heads_per_group`` caps the
     causal launch order's group (the largest divisor of B * H up to it is used); ``overlap_dq`` lets
     the dQ kernel run beside dK/dV on a second stream (the default; only problems large enough for it
-    to pay use it, :func:`flashattn.backward.worth_a_second_stream`) or always after it; ``gluon``
+    to pay use it, :func:`flashattn.backward.worth_a_second_stream`) or always after it;
+    ``row_stats_in_dq`` lets the portable dQ kernel, where it runs on the current stream, go first and
+    compute delta and the base-2 LSE itself, in place of the preprocess kernel's launch; ``gluon``
     lets the Hopper kernels in Gluon replace the portable ones where :func:`gluon_kernel` says so.
     """
 
@@ -173,6 +175,7 @@ class Tuning:
     heads_per_group: int | None = None
     overlap_dq: bool = True
     gluon: bool = True  # the Hopper kernels in Gluon where they apply (:func:`gluon_kernel`)
+    row_stats_in_dq: bool = True
 
 
 _DEFAULT_TUNING = Tuning()
@@ -207,7 +210,7 @@ class tuning_of:
 @contextlib.contextmanager
 def tuning(*, fwd: KernelConfig | None = None, bwd_dkdv: KernelConfig | None = None,
            bwd_dq: KernelConfig | None = None, heads_per_group: int | None = None, overlap_dq: bool = True,
-           gluon: bool = True):
+           gluon: bool = True, row_stats_in_dq: bool = True):
     """Pin launch choices for the calls inside the ``with`` block, and restore the previous ones after.
 
     ``with tuning(fwd=KernelConfig(128, 64, 8, 3)): ...`` times one tile without touching the table;
@@ -215,7 +218,7 @@ def tuning(*, fwd: KernelConfig | None = None, bwd_dkdv: KernelConfig | None = N
     """
     pinned = {name: cfg for name, cfg in (("fwd", fwd), ("bwd_dkdv", bwd_dkdv), ("bwd_dq", bwd_dq))
               if cfg is not None}
-    token = _TUNING.set(Tuning(pinned, heads_per_group, overlap_dq, gluon))
+    token = _TUNING.set(Tuning(pinned, heads_per_group, overlap_dq, gluon, row_stats_in_dq))
     try:
         yield
     finally:
@@ -447,6 +450,10 @@ def plan_for(kernel: str, problem: Problem, device: torch.device, cfg: KernelCon
                       HAS_WINDOW=problem.window is not None, SOFTCAP=problem.softcap > 0,
                       ALIBI=problem.alibi, DROPOUT=problem.dropout_p > 0, VARLEN=problem.varlen)
     passes = (constexprs,)
+    if kernel == "bwd_dq":
+        # the preprocess's row statistics computed in the dQ kernel (flashattn.backward.attention_backward
+        # turns them on where dQ runs first)
+        constexprs.update(ROW_STATS=False, HAS_DLSE=False)
     if kernel == "bwd_dkdv":
         constexprs["PART"] = 0  # dK and dV in one launch, unless the config splits them
         if cfg.split:

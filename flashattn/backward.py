@@ -11,6 +11,9 @@
 3. ``_bwd_dq_kernel``: one program per query block of one query head, walking the key blocks like the
    forward and accumulating dQ = scale dS K.
 
+Where dQ runs on the current stream (problems too small for a second stream to pay), (3) runs first
+and does (1)'s work for its own rows, so the call makes two launches, not three (:func:`attention_backward`).
+
 S and dP are recomputed in both (2) and (3): seven matmuls instead of five, the price of never
 adding into the same memory from two programs. Tiles are read through tensor descriptors, as in
 :mod:`flashattn.forward`.
@@ -57,6 +60,29 @@ PREPROCESS_BLOCK = 64  # rows per program of the delta kernel (memory bound: any
 
 # --8<-- [start:bwd-preprocess]
 @triton.jit
+def _row_stats(b_o, b_do, p_lse, p_dlse, mask_rows, HAS_DLSE: tl.constexpr):
+    """delta and the base-2 lse of a block of query rows, from its float32 O and dO tiles
+    ([BLOCK_M, BLOCK_D], zero past the rows and the head dim) and the stored natural-log LSE. The
+    preprocess kernel below runs it for every row; the dQ kernel runs it for its own rows where it
+    goes first (``ROW_STATS``, :func:`attention_backward`)."""
+    # delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij: an N x d reduction in place of an N x M one
+    b_delta = tl.sum(b_o * b_do, axis=1)  # [BLOCK_M]
+    # --8<-- [start:bwd-dlse]
+    if HAS_DLSE:
+        # A gradient that reaches the LSE output adds dLSE_i * P_ij to dS_ij (dLSE_i/dS_ij = P_ij),
+        # so dS = P * (dP - delta + dLSE) = P * (dP - (delta - dLSE)): folding it into delta leaves the loops as
+        # they are. A row with no key has P = 0 and takes nothing from it.
+        b_delta -= tl.load(p_dlse, mask=mask_rows, other=0.0)
+    # --8<-- [end:bwd-dlse]
+    # lse in base 2, the pivot of P = exp2(c * qk - lse2). A row that saw no key stores lse = -inf,
+    # and s - (-inf) = inf for every score. Such rows lie only in masked tiles, whose `where` replaces
+    # their P by 0 whatever exp2 gave; the pivot 0 only keeps the subtraction itself from being inf.
+    b_lse = tl.load(p_lse, mask=mask_rows, other=0.0)
+    b_lse2 = tl.where(b_lse == float("-inf"), 0.0, b_lse * LOG2E)
+    return b_lse2, b_delta
+
+
+@triton.jit
 def _bwd_preprocess_kernel(
     O, DO, LSE, DLSE, LSE2, DELTA,  #
     stride_ob, stride_oh, stride_on,  #
@@ -70,7 +96,8 @@ def _bwd_preprocess_kernel(
     start_m = i_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    mask = (offs_m < N_CTX_Q)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    mask_m = offs_m < N_CTX_Q
+    mask = mask_m[:, None] & (offs_d < HEAD_DIM)[None, :]
     rows = tl.arange(0, BLOCK_M)[:, None]  # 64-bit bases below, 32-bit offsets inside the tile
     p_o = O + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh + start_m.to(tl.int64) * stride_on \
         + rows * stride_on + offs_d[None, :]
@@ -78,23 +105,10 @@ def _bwd_preprocess_kernel(
         + rows * stride_don + offs_d[None, :]
     b_o = tl.load(p_o, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
     b_do = tl.load(p_do, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
-    # delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij: an N x d reduction in place of an N x M one
-    b_delta = tl.sum(b_o * b_do, axis=1)  # [BLOCK_M]
     row0 = i_bh.to(tl.int64) * N_CTX_Q  # lse, dlse, lse2 and delta are contiguous (B, Hq, N)
-    # --8<-- [start:bwd-dlse]
-    if HAS_DLSE:
-        # A gradient that reaches the LSE output adds dLSE_i * P_ij to dS_ij (dLSE_i/dS_ij = P_ij),
-        # so dS = P * (dP - delta + dLSE) = P * (dP - (delta - dLSE)): folding it into delta leaves the loops as
-        # they are. A row with no key has P = 0 and takes nothing from it.
-        b_delta -= tl.load(DLSE + row0 + offs_m, mask=offs_m < N_CTX_Q, other=0.0)
-    # --8<-- [end:bwd-dlse]
-    tl.store(DELTA + row0 + offs_m, b_delta, mask=offs_m < N_CTX_Q)
-    # lse in base 2, the pivot of P = exp2(c * qk - lse2). A row that saw no key stores lse = -inf,
-    # and s - (-inf) = inf for every score. Such rows lie only in masked tiles, whose `where` replaces
-    # their P by 0 whatever exp2 gave; the pivot 0 only keeps the subtraction itself from being inf.
-    b_lse = tl.load(LSE + row0 + offs_m, mask=offs_m < N_CTX_Q, other=0.0)
-    b_lse2 = tl.where(b_lse == float("-inf"), 0.0, b_lse * LOG2E)
-    tl.store(LSE2 + row0 + offs_m, b_lse2, mask=offs_m < N_CTX_Q)
+    b_lse2, b_delta = _row_stats(b_o, b_do, LSE + row0 + offs_m, DLSE + row0 + offs_m, mask_m, HAS_DLSE)
+    tl.store(DELTA + row0 + offs_m, b_delta, mask=mask_m)
+    tl.store(LSE2 + row0 + offs_m, b_lse2, mask=mask_m)
 # --8<-- [end:bwd-preprocess]
 
 
@@ -354,13 +368,14 @@ def _bwd_dq_inner(
 def _bwd_dq_kernel(
     q_desc, k_desc, v_desc, do_desc, LSE2, DELTA, DQ,  #
     stride_dqb, stride_dqh, stride_dqn,  #
+    O, LSE, DLSE, stride_ob, stride_oh, stride_on,  # read only with ROW_STATS
     H_Q, GROUP, N_CTX_Q, N_CTX_K, qk_scale, scale, N_BLOCKS, HEADS_PER_GROUP,  #
     CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, N_SEQS,  #
     win_left, win_right, cap_in, cap_out, SLOPES, stride_slope_b, seed_lo, seed_hi, drop_threshold, inv_keep,  #
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, ROW_STATS: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
     # query block, batch * query head; causal: the longest key walks first, as in the forward
     i_m, i_bh = program_tile(N_BLOCKS, HEADS_PER_GROUP, CAUSAL)
@@ -388,7 +403,19 @@ def _bwd_dq_kernel(
 
     b_q = q_desc.load([i_b, i_hq, q_row, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
     b_do = do_desc.load([i_b, i_hq, q_row, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
-    b_lse2, b_delta = _load_row_stats(LSE2 + row0 + offs_m, DELTA + row0 + offs_m, mask_m, True)
+    if ROW_STATS:
+        # The preprocess kernel's work for this block's rows, here where dO is loaded anyway: where dQ
+        # runs first, on the current stream, the backward saves that launch (attention_backward), and
+        # dK/dV then reads what this stores. O's padded rows and columns load as 0, so their delta is 0.
+        p_o = O + i_b.to(tl.int64) * stride_ob + i_hq.to(tl.int64) * stride_oh + q_row.to(tl.int64) * stride_on \
+            + tl.arange(0, BLOCK_M)[:, None] * stride_on + offs_d[None, :]
+        b_o = tl.load(p_o, mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
+        b_lse2, b_delta = _row_stats(b_o, b_do.to(tl.float32), LSE + row0 + offs_m, DLSE + row0 + offs_m, mask_m,
+                                     HAS_DLSE)
+        tl.store(LSE2 + row0 + offs_m, b_lse2, mask=mask_m)
+        tl.store(DELTA + row0 + offs_m, b_delta, mask=mask_m)
+    else:
+        b_lse2, b_delta = _load_row_stats(LSE2 + row0 + offs_m, DELTA + row0 + offs_m, mask_m, True)
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     slope2 = 0.0
     if ALIBI:
@@ -457,7 +484,8 @@ def _second_stream(q: torch.Tensor, problem: Problem) -> torch.cuda.Stream | Non
 # --8<-- [start:bwd-launch]
 def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
                        packing=None):
-    """Run the three backward kernels on ``q``'s device. Returns ``(dq, dk, dv)`` shaped like q, k, v.
+    """Run the backward kernels on ``q``'s device (the preprocess, dK/dV and dQ; dQ with the preprocess's
+    row statistics and first, where it runs on the current stream). Returns ``(dq, dk, dv)`` shaped like q, k, v.
 
     ``o`` and ``lse`` are the forward's outputs; ``dlse`` (B, Hq, N), when given, is the gradient that
     reached the LSE output. dK and dV of a K/V head sum over its query heads. ``alibi_slopes`` and
@@ -506,13 +534,19 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
     if not p.varlen:
         cu_q = cu_k = delta  # never read: VARLEN is off
     has_dlse = dlse is not None
-    block = 32 if _config.is_interpreter() else PREPROCESS_BLOCK
-    n_rows = ceil_div(n_q, block)
-    launch(_bwd_preprocess_kernel, n_rows * batch * p.heads_q,
-           (o, do, lse, dlse.contiguous() if has_dlse else lse, lse2, delta,
-            o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-            p.heads_q, n_q, n_rows),
-           dict(HAS_DLSE=has_dlse, HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=block), {}, record)
+    dlse = dlse.contiguous() if has_dlse else lse  # (never read without HAS_DLSE)
+    # Where dQ runs on the current stream in the portable kernel, it runs first and computes delta and
+    # lse2 for its own rows, which dK/dV then reads: one launch fewer, which a short call feels. Beside
+    # dK/dV on a second stream, or in Gluon, the preprocess kernel computes them first.
+    row_stats = side is None and not gluon_dq and _config.current_tuning().row_stats_in_dq
+    if not row_stats:
+        block = 32 if _config.is_interpreter() else PREPROCESS_BLOCK
+        n_rows = ceil_div(n_q, block)
+        launch(_bwd_preprocess_kernel, n_rows * batch * p.heads_q,
+               (o, do, lse, dlse, lse2, delta,
+                o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+                p.heads_q, n_q, n_rows),
+               dict(HAS_DLSE=has_dlse, HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=block), {}, record)
 
     desc = Descriptors(p.block_d)  # shared by the two kernels where their tiles agree
 
@@ -539,9 +573,11 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
         offsets = tile_offsets(cu_q, cfg.block_m) if p.varlen else delta
         args = (desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(do, cfg.block_m),
                 lse2, delta, dq_view, dq_view.stride(0), dq_view.stride(1), dq_view.stride(2),
+                o, lse, dlse, o.stride(0), o.stride(1), o.stride(2),
                 p.heads_q, p.group, n_q, n_k, p.qk_scale, p.scale, plan.n_blocks, plan.heads_per_group,
                 cu_q, cu_k, offsets, p.batch, *variant_args(p, alibi_slopes, seed, delta))
-        launch(_bwd_dq_kernel, plan.grid, args, plan.constexprs, plan.options, record)
+        constexprs = {**plan.constexprs, "ROW_STATS": row_stats, "HAS_DLSE": row_stats and has_dlse}
+        launch(_bwd_dq_kernel, plan.grid, args, constexprs, plan.options, record)
 
     device = q.device
     if p.varlen:  # the fixed table entries, as in the forward
@@ -564,8 +600,9 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
             run_dq(plan_dq, record)
         join(side, record)
     else:
-        run_dkdv(plan_dkdv, record)
+        # dQ first: with row_stats it writes the delta and lse2 that dK/dV reads
         run_dq(plan_dq, record)
+        run_dkdv(plan_dkdv, record)
     if record is not None:
         record.keep(inputs, (dq, dk, dv, delta, lse2), free, shared=(1, 2, 3))  # q, k, v, as in the key
     return dq, dk, dv

@@ -631,6 +631,69 @@ def test_a_split_plan_launches_dv_then_dk():
     assert "PART" not in _config.plan_for("bwd_dq", problem, cpu, _config.KernelConfig(16, 32, 4, 1)).constexprs
 
 
+ROW_STATS_CASES = [
+    # (B, Hq, Hkv, N, M, D), layout, options: causal rows with no key, GQA, a D that is no power of two,
+    # a transposed layout, large logits, a gradient for the LSE, the variants, packed sequences
+    ((2, 4, 2, 37, 21, 40), "bnhd", dict(causal=True, return_lse=True)),
+    ((1, 6, 2, 29, 53, 24), "bhnd", dict(window=(9, 3), softcap=5.0, alibi=True, dropout_p=0.25, seed=7)),
+    ((1, 2, 2, 48, 48, 80), "bhnd", dict(causal=True, return_lse=True)),
+    (None, "varlen", dict(causal=True, return_lse=True)),
+]
+
+
+@gpu  # and interpreted on the CPU
+@pytest.mark.parametrize("shape, layout, options", ROW_STATS_CASES, ids=lambda c: str(c))
+def test_row_stats_in_dq_give_the_preprocess_kernels_gradients(shape, layout, options, monkeypatch):
+    """Where the dQ kernel runs on the current stream it goes first and computes delta and the base-2
+    LSE of its own rows (``ROW_STATS``) in place of the preprocess kernel, one launch fewer: the
+    gradients are those of the three-kernel path, bitwise under the interpreter (the same float32 row
+    sums) and to within a rounding of delta's sum order on a GPU, and the preprocess kernel is not
+    launched."""
+    from flashattn import backward as bwd_mod
+
+    dtype = torch.float16  # on the CPU, half-precision tensors are what runs the kernels (interpreted)
+    options = dict(options)
+    return_lse = options.pop("return_lse", False)
+    if layout == "varlen":
+        lens_q, lens_k = (17, 0, 40, 9), (30, 5, 40, 0)
+        gen = torch.Generator(device=DEVICE).manual_seed(4)
+        q, k, v, do = (torch.randn(sum(lens), h, 32, dtype=dtype, device=DEVICE, generator=gen) * 3
+                       for lens, h in ((lens_q, 4), (lens_k, 2), (lens_k, 2), (lens_q, 4)))
+        cu = [torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+              for lens in (lens_q, lens_k)]
+        call = lambda q, k, v: flashattn.attention_varlen(q, k, v, *cu, max(lens_q), max(lens_k),  # noqa: E731
+                                                          return_lse=return_lse, **options)
+    else:
+        q, k, v, do = _inputs(*shape, dtype, layout=layout, std=3.0, seed=22)
+        if options.pop("alibi", False):
+            options["alibi_slopes"] = torch.linspace(0.05, 0.5, shape[1], device=DEVICE)
+        call = lambda q, k, v: flashattn.attention(q, k, v, return_lse=return_lse, **options)  # noqa: E731
+    launched = []
+    launch = bwd_mod.launch
+    monkeypatch.setattr(bwd_mod, "launch", lambda kernel, *a, **kw: launched.append(kernel) or launch(kernel, *a, **kw))
+    grads = {}
+    for row_stats in (False, True):
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        launched.clear()
+        with torch.autograd.set_multithreading_enabled(False), _config.tuning(row_stats_in_dq=row_stats):
+            out = call(qg, kg, vg)
+            if return_lse:  # a loss that uses the LSE too: dLSE folds into delta
+                o, lse = out
+                gen = torch.Generator(device=DEVICE).manual_seed(5)
+                dlse = torch.randn(lse.shape, device=DEVICE, generator=gen).masked_fill(lse == float("-inf"), 0)
+                grads[row_stats] = torch.autograd.grad((o, lse), (qg, kg, vg), (do, dlse))
+            else:
+                grads[row_stats] = torch.autograd.grad(out, (qg, kg, vg), do)
+        assert (bwd_mod._bwd_preprocess_kernel in launched) is not row_stats
+        assert launched.count(bwd_mod._bwd_dq_kernel) == 1
+    for name, three, two in zip(("dq", "dk", "dv"), grads[False], grads[True]):
+        assert torch.isfinite(two).all() and torch.isfinite(three).all(), name
+        if HAS_CUDA:
+            assert rel_err(two, three) < 1e-3, name
+        else:
+            assert torch.equal(two, three), name
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -978,10 +1041,11 @@ def test_replayed_launches_are_the_full_paths(monkeypatch, b, h_q, h_kv, n, m, d
         assert got[True] == got[False]
         for path in (True, False):
             got[path] = [row for row in got[path] if row[0][0] is not str]
-    assert len(got[True]) == len(got[False]) == 4  # forward, preprocess, dK/dV, dQ
+    # forward, preprocess, dK/dV, dQ beside it; on one stream forward, dQ (with the row statistics), dK/dV
+    assert len(got[True]) == len(got[False]) == (4 if two_streams else 3)
     assert len(got["kept"]) == (4 if "aliased" in second else 2)  # the forward's and the backward's, per key
     full_path = second in ("misaligned", "fresh after aliased")
-    assert got["keys"] == (4 if full_path else 0)  # replayed: no cache key, no binding
+    assert got["keys"] == (len(got[False]) if full_path else 0)  # replayed: no cache key, no binding
     assert got[True] == got[False]
 
 
