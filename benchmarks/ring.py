@@ -239,10 +239,23 @@ _MESH = None
 
 
 def measure_torch_cp(args, n: int, causal: bool, device) -> dict:
-    """PyTorch's context parallelism around SDPA (it shards full-length buffers itself, in place)."""
+    """PyTorch's context parallelism around SDPA (it shards full-length buffers itself, in place), and
+    the relative error of its unsharded output against flashattn.attention on the full sequence.
+
+    ``context_parallel`` patches ``torch.nn.functional.scaled_dot_product_attention`` inside the
+    context, so SDPA is looked up there at every call: a reference to it taken before the context
+    computes each rank's shard against its own keys alone (a first version of this harness did, and
+    read more TFLOP/s per GPU than the GPU has)."""
+    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    from torch.distributed.tensor.experimental._attention import _cp_options, context_parallel_unshard
+
+    from flashattn import attention
+    from flashattn.testing import rel_err
+
+    def sdpa(*a, **kw):
+        return F.scaled_dot_product_attention(*a, **kw)
 
     global _MESH
     if _MESH is None:  # one mesh (and its communicator) for the whole run
@@ -256,20 +269,39 @@ def measure_torch_cp(args, n: int, causal: bool, device) -> dict:
     k, v = (torch.randn(shape_kv, dtype=dtype, device=device, generator=gen) for _ in range(2))
     do = torch.randn(shape_q, dtype=dtype, device=device, generator=gen)
     gqa = {"enable_gqa": True} if args.heads != args.kv_heads else {}
-    with context_parallel(mesh, buffers=[q, k, v, do], buffer_seq_dims=[2, 2, 2, 2]):
-        q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    # Its load balancing (a head-tail reordering of the sequence) is for causal attention only: without
+    # the mask its SDPA refuses it ("Load balancing requires `is_causal=True`"), so it is off there.
+    _cp_options.enable_load_balance, balance = causal, _cp_options.enable_load_balance
+    try:
+        with context_parallel(mesh, buffers=[q, k, v, do], buffer_seq_dims=[2, 2, 2, 2]):
+            q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
 
-        def fwd():
-            with torch.no_grad():
-                sdpa(q, k, v, is_causal=causal, **gqa)
+            def fwd():
+                with torch.no_grad():
+                    sdpa(q, k, v, is_causal=causal, **gqa)
 
-        def fwd_bwd():
-            sdpa(q, k, v, is_causal=causal, **gqa).backward(do)
-            q.grad = k.grad = v.grad = None
+            def fwd_bwd():
+                sdpa(q, k, v, is_causal=causal, **gqa).backward(do)
+                q.grad = k.grad = v.grad = None
 
-        rec = {"fwd_ms": max(gather_floats(timed_ms(fwd, device, args.warmup, args.reps), device)),
-               "fwd_bwd_ms": max(gather_floats(timed_ms(fwd_bwd, device, args.warmup, args.reps), device)),
-               "peak_gib_per_rank": gather_floats(peak_memory(fwd_bwd, device), device)}
+            try:
+                rec = {"fwd_ms": max(gather_floats(timed_ms(fwd, device, args.warmup, args.reps), device)),
+                       "fwd_bwd_ms": max(gather_floats(timed_ms(fwd_bwd, device, args.warmup, args.reps), device)),
+                       "peak_gib_per_rank": gather_floats(peak_memory(fwd_bwd, device), device)}
+                with torch.no_grad():
+                    o_cp = context_parallel_unshard(mesh, [sdpa(q, k, v, is_causal=causal, **gqa)], [2])[0]
+            finally:
+                # On exit the context puts the full buffers back in place (a resize), which PyTorch
+                # refuses for a tensor that requires grad: "cannot resize variables that require grad".
+                q.requires_grad_(False), k.requires_grad_(False), v.requires_grad_(False)
+    finally:
+        _cp_options.enable_load_balance = balance
+    # q, k, v are whole again: the check of what was timed (N = M, so causal means the same to both)
+    with torch.no_grad():
+        rec["rel_err_vs_flashattn"] = max(gather_floats(rel_err(o_cp, attention(q, k, v, causal=causal)), device))
+    if not rec["rel_err_vs_flashattn"] < 2e-2:
+        raise RuntimeError(f"context_parallel's output is off by {rec['rel_err_vs_flashattn']:.3g} (relative): "
+                           "its times do not measure the attention asked for")
     return rec
 
 
@@ -357,6 +389,48 @@ def summarize(args, row: dict, world: int) -> None:
         row["fraction_of_single_gpu"] = {m: ring[f"{m}_tflops_per_gpu"] / single[f"{m}_tflops"] for m in ("fwd", "fwd_bwd")}
     if "fwd_ms" in ring and "fwd_ms" in cp:
         row["speedup_vs_torch_cp"] = {m: cp[f"{m}_ms"] / ring[f"{m}_ms"] for m in ("fwd", "fwd_bwd")}
+
+
+def markdown(payload: dict) -> str:
+    """The run as the site's ring page shows it: where it ran, then one table row per length and mask
+    (times are the slowest rank's medians; fractions and speed-ups as :func:`summarize` computes them;
+    a provider that failed shows its error)."""
+    env, cfg = payload.get("environment", {}), payload.get("config", {})
+    world = env.get("world_size", "?")
+    out = [f"{world} × {env.get('gpu', env.get('backend', '?'))}, torch {env.get('torch', '?')}, "
+           f"triton {env.get('triton', '-')}, NCCL {env.get('nccl', '-')}, {env.get('date', '')[:10]}; "
+           f"B = {cfg.get('batch')}, H = {cfg.get('heads')} (K/V heads {cfg.get('kv_heads')}), "
+           f"D = {cfg.get('head_dim')}, {cfg.get('dtype')}; {cfg.get('warmup')} warm-up and "
+           f"{cfg.get('reps')} timed calls per rank.", "",
+           "| N | N per GPU | mask | ring fwd / fwd+bwd (ms) | TFLOP/s per GPU | of one GPU's | balance "
+           "| peak GiB per GPU | torch CP fwd / fwd+bwd (ms) | speed-up over torch CP | torch CP peak GiB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def pair(rec, a, b, fmt):
+        return f"{fmt.format(rec[a])} / {fmt.format(rec[b])}" if a in rec and b in rec else "-"
+
+    for row in payload.get("rows", []):
+        ring, cp = row.get("ring", {}), row.get("torch_cp", {})
+        if "error" in ring:
+            ring_cells = [f"failed: {ring['error'][:80]}", "-", "-", "-", "-"]
+        else:
+            ring_cells = [pair(ring, "fwd_ms", "fwd_bwd_ms", "{:.1f}"),
+                          pair(ring, "fwd_tflops_per_gpu", "fwd_bwd_tflops_per_gpu", "{:.0f}"),
+                          pair(row.get("fraction_of_single_gpu", {}), "fwd", "fwd_bwd", "{:.2f}"),
+                          f"{ring['balance']:.1%}" if ring.get("balance") is not None else "-",
+                          f"{max(ring['peak_gib_per_rank']):.2f}" if ring.get("peak_gib_per_rank") else "-"]
+        if "error" in cp:
+            cp_cells = [f"failed: {cp['error'][:80]}", "-", "-"]
+        elif cp:
+            cp_cells = [pair(cp, "fwd_ms", "fwd_bwd_ms", "{:.1f}"),
+                        pair(row.get("speedup_vs_torch_cp", {}), "fwd", "fwd_bwd", "{:.2f}×"),
+                        f"{max(cp['peak_gib_per_rank']):.2f}" if cp.get("peak_gib_per_rank") else "-"]
+        else:
+            cp_cells = ["not run", "-", "-"]
+        cells = [f"{row['n']:,}", f"{row.get('n_per_gpu', row['n']):,}", "causal" if row["causal"] else "none",
+                 *ring_cells, *cp_cells]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
 
 
 def main(argv=None) -> int:

@@ -317,6 +317,46 @@ def test_benchmarks_page_switches_when_results_appear(tmp_path, monkeypatch):
     assert "](benchmarks/tflops_fwd_float16.png)" in page
 
 
+def test_ring_page_shows_the_two_gpu_run_when_there_is_one(tmp_path, monkeypatch):
+    """The ring page's scaling table comes from benchmarks/results/ring_2gpu.json (a placeholder
+    without it), a row per length and mask, with the failures of a provider that did not run."""
+    import json
+
+    hooks = _site_hooks()
+    monkeypatch.setattr(hooks, "RESULTS", tmp_path)
+    assert "No results yet" in hooks._ring("")
+    ok = {"fwd_ms": 1.8, "fwd_bwd_ms": 5.5, "fwd_tflops_per_gpu": 310.2, "fwd_bwd_tflops_per_gpu": 351.0,
+          "balance": 0.079, "peak_gib_per_rank": [0.19, 0.18]}
+    payload = {"environment": {"world_size": 2, "gpu": "NVIDIA H200", "torch": "2.11", "nccl": "2.28.9"},
+               "config": {"batch": 1, "heads": 1, "kv_heads": 1, "head_dim": 128, "dtype": "bfloat16",
+                          "warmup": 2, "reps": 5},
+               "rows": [{"n": 65536, "n_per_gpu": 32768, "causal": True, "ring": ok,
+                         "torch_cp": {"fwd_ms": 1.8, "fwd_bwd_ms": 5.1, "peak_gib_per_rank": [0.38, 0.38]},
+                         "fraction_of_single_gpu": {"fwd": 0.53, "fwd_bwd": 0.70},
+                         "speedup_vs_torch_cp": {"fwd": 1.04, "fwd_bwd": 0.92}},
+                        {"n": 2**21, "n_per_gpu": 2**20, "causal": False, "ring": {"error": "OutOfMemoryError: x"},
+                         "torch_cp": {"error": "RuntimeError: y"}}]}
+    (tmp_path / "ring_2gpu.json").write_text(json.dumps(payload))
+    page = hooks._ring("")
+    assert "No results yet" not in page and "2 × NVIDIA H200" in page
+    assert ("| 65,536 | 32,768 | causal | 1.8 / 5.5 | 310 / 351 | 0.53 / 0.70 | 7.9% | 0.19 | 1.8 / 5.1 "
+            "| 1.04× / 0.92× | 0.38 |") in page
+    assert "| 2,097,152 | 1,048,576 | none | failed: OutOfMemoryError: x |" in page and "failed: RuntimeError: y" in page
+
+
+@slow
+def test_ring_page_has_a_row_for_every_committed_measurement(site):
+    import json
+
+    path = ROOT / "benchmarks" / "results" / "ring_2gpu.json"
+    page = (site / "kernels/ring/index.html").read_text(encoding="utf-8")
+    if not path.is_file():
+        assert "No results yet" in page
+        return
+    for row in json.loads(path.read_text(encoding="utf-8"))["rows"]:
+        assert f"<td>{row['n']:,}</td>" in page
+
+
 @slow
 def test_errata_page_lists_every_entry_confirmed(site):
     from derivations.errata import ERRATA

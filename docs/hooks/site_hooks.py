@@ -10,6 +10,7 @@
   ``<!-- flashattn:derivations-table -->`` every check, in the order of ``derivations.MODULES``
   ``<!-- flashattn:errata -->``          the entries of ``derivations/errata.py``
   ``<!-- flashattn:benchmarks -->``      results from ``benchmarks/results/`` or a placeholder
+  ``<!-- flashattn:ring -->``            the two-GPU ring run in ``benchmarks/results/ring_2gpu.json``
 
 * drops the dead MathJax 2 loader that nbconvert writes into notebook pages.
 
@@ -283,7 +284,21 @@ def _benchmarks(_arg: str, page=None) -> str:
     return "\n".join(out)
 
 
+def _ring(_arg: str, page=None) -> str:
+    """The committed two-GPU run of ``benchmarks.ring`` as a table (:func:`benchmarks.ring.markdown`)."""
+    import json
+
+    from benchmarks import ring
+
+    path = RESULTS / "ring_2gpu.json"
+    if not path.is_file():
+        return ('!!! info "No results yet"\n\n'
+                "    `benchmarks/results/ring_2gpu.json` is not there: no multi-GPU run has been committed.\n")
+    return ring.markdown(json.loads(path.read_text(encoding="utf-8")))
+
+
 _HANDLERS = {
+    "ring": _ring,
     "derivation": _derivation,
     "derivations-table": _derivations_table,
     "errata": _errata,
