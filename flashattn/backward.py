@@ -584,11 +584,12 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
         plan_dkdv = _config.plan_for("bwd_dkdv", p, device, _config.get_config("bwd_dkdv", p, device))
         plan_dq = _config.plan_for("bwd_dq", p, device, _config.get_config("bwd_dq", p, device))
     else:
-        # autotuning (opt-in) times candidate configs through the same launches
-        plan_dkdv = None if gluon_dkdv else _config.plan(
-            "bwd_dkdv", p, device, lambda c: run_dkdv(_config.plan_for("bwd_dkdv", p, device, c)))
+        # autotuning (opt-in) times candidate configs through the same launches; dQ's first, since
+        # with row_stats its launches write the delta and lse2 that dK/dV's read
         plan_dq = None if gluon_dq else _config.plan(
             "bwd_dq", p, device, lambda c: run_dq(_config.plan_for("bwd_dq", p, device, c)))
+        plan_dkdv = None if gluon_dkdv else _config.plan(
+            "bwd_dkdv", p, device, lambda c: run_dkdv(_config.plan_for("bwd_dkdv", p, device, c)))
     if side is not None:
         # The two kernels read the same inputs and write disjoint outputs, so they may run side by
         # side: on a second stream the dQ programs fill the SMs that the last wave of dK/dV leaves
