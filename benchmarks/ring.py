@@ -395,6 +395,8 @@ def markdown(payload: dict) -> str:
     """The run as the site's ring page shows it: where it ran, then one table row per length and mask
     (times are the slowest rank's medians; fractions and speed-ups as :func:`summarize` computes them;
     a provider that failed shows its error)."""
+    from benchmarks import report  # its table-cell escaping: an error message may hold '|' or newlines
+
     env, cfg = payload.get("environment", {}), payload.get("config", {})
     world = env.get("world_size", "?")
     out = [f"{world} × {env.get('gpu', env.get('backend', '?'))}, torch {env.get('torch', '?')}, "
@@ -412,7 +414,7 @@ def markdown(payload: dict) -> str:
     for row in payload.get("rows", []):
         ring, cp = row.get("ring", {}), row.get("torch_cp", {})
         if "error" in ring:
-            ring_cells = [f"failed: {ring['error'][:80]}", "-", "-", "-", "-"]
+            ring_cells = [report._md(f"failed: {ring['error']}", 80), "-", "-", "-", "-"]
         else:
             ring_cells = [pair(ring, "fwd_ms", "fwd_bwd_ms", "{:.1f}"),
                           pair(ring, "fwd_tflops_per_gpu", "fwd_bwd_tflops_per_gpu", "{:.0f}"),
@@ -420,7 +422,7 @@ def markdown(payload: dict) -> str:
                           f"{ring['balance']:.1%}" if ring.get("balance") is not None else "-",
                           f"{max(ring['peak_gib_per_rank']):.2f}" if ring.get("peak_gib_per_rank") else "-"]
         if "error" in cp:
-            cp_cells = [f"failed: {cp['error'][:80]}", "-", "-"]
+            cp_cells = [report._md(f"failed: {cp['error']}", 80), "-", "-"]
         elif cp:
             cp_cells = [pair(cp, "fwd_ms", "fwd_bwd_ms", "{:.1f}"),
                         pair(row.get("speedup_vs_torch_cp", {}), "fwd", "fwd_bwd", "{:.2f}×"),

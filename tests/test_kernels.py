@@ -578,6 +578,16 @@ def test_gpu_causal_offset_at_every_residue(d):
         _check_against_reference(q, k, v, do, True, d ** -0.5)
 
 
+def _packed(lens_q, lens_k, dtype, *, seed, std=1.0):
+    """q, k, v, dO of packed sequences (D = 32, 4 query heads, 2 K/V heads) and their cu_seqlens."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q, k, v, do = (torch.randn(sum(lens), h, 32, dtype=dtype, device=DEVICE, generator=gen) * std
+                   for lens, h in ((lens_q, 4), (lens_k, 2), (lens_k, 2), (lens_q, 4)))
+    cu = [torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+          for lens in (lens_q, lens_k)]
+    return q, k, v, do, cu
+
+
 @gpu  # and interpreted on the CPU
 @pytest.mark.parametrize("shape, options, layout", SPLIT_CASES, ids=lambda c: str(c))
 def test_dkdv_in_two_launches_is_bitwise_one_launch(shape, options, layout):
@@ -590,11 +600,7 @@ def test_dkdv_in_two_launches_is_bitwise_one_launch(shape, options, layout):
     options = dict(options)
     if layout == "varlen":
         lens_q, lens_k = (17, 0, 40), (30, 5, 40)
-        gen = torch.Generator(device=DEVICE).manual_seed(3)
-        q, k, v, do = (torch.randn(sum(lens), h, 32, dtype=dtype, device=DEVICE, generator=gen)
-                       for lens, h in ((lens_q, 4), (lens_k, 2), (lens_k, 2), (lens_q, 4)))
-        cu = [torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-              for lens in (lens_q, lens_k)]
+        q, k, v, do, cu = _packed(lens_q, lens_k, dtype, seed=3)
         call = lambda q, k, v: flashattn.attention_varlen(q, k, v, *cu, max(lens_q), max(lens_k), **options)  # noqa: E731
     else:
         q, k, v, do = _inputs(*shape, dtype, layout=layout, std=2.0, seed=21)
@@ -656,11 +662,7 @@ def test_row_stats_in_dq_give_the_preprocess_kernels_gradients(shape, layout, op
     return_lse = options.pop("return_lse", False)
     if layout == "varlen":
         lens_q, lens_k = (17, 0, 40, 9), (30, 5, 40, 0)
-        gen = torch.Generator(device=DEVICE).manual_seed(4)
-        q, k, v, do = (torch.randn(sum(lens), h, 32, dtype=dtype, device=DEVICE, generator=gen) * 3
-                       for lens, h in ((lens_q, 4), (lens_k, 2), (lens_k, 2), (lens_q, 4)))
-        cu = [torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-              for lens in (lens_q, lens_k)]
+        q, k, v, do, cu = _packed(lens_q, lens_k, dtype, seed=4, std=3)
         call = lambda q, k, v: flashattn.attention_varlen(q, k, v, *cu, max(lens_q), max(lens_k),  # noqa: E731
                                                           return_lse=return_lse, **options)
     else:
