@@ -164,7 +164,8 @@ def launches_disabled(capture: bool = False, replay: bool = True, second_stream:
 
     kernels = {id(k): (k, fake, fake.direct(k)) for k in (fwd_mod._attn_fwd_kernel, bwd_mod._bwd_preprocess_kernel,
                                                          bwd_mod._bwd_dkdv_kernel, bwd_mod._bwd_dq_kernel,
-                                                         dec_mod._decode_split_kernel, dec_mod._decode_merge_kernel)}
+                                                         dec_mod._decode_split_kernel, dec_mod._decode_merge_kernel,
+                                                         dec_mod._decode_append_kernel)}
 
     class Compiled(dict):
         def get(self, key, default=None):  # every signature is "already compiled"

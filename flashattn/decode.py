@@ -173,7 +173,8 @@ def _check_lengths(seq_lens: torch.Tensor, block_table, p: DecodeProblem, num_pa
 
 # --8<-- [start:decode-append]
 def _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table):
-    """Write k_new[b, t], v_new[b, t] at position seq_lens[b] + t of sequence b, in place.
+    """Write k_new[b, t], v_new[b, t] at position seq_lens[b] + t of sequence b, in place: the append
+    of the PyTorch path (CPU tensors outside the interpreter; the kernels' path has a kernel for it).
 
     One scatter per cache (``index_put_``); a paged cache maps the position to (page, slot) through
     the block table first.
@@ -228,24 +229,27 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
                   return_lse)
     if num_splits is not None:
         num_splits = int(num_splits)  # an integral type of numpy's, say: the launchers take Python ints
+    kernels = ops.use_kernels(q)
     if is_int(cache_seqlens):
         cache_seqlens = int(cache_seqlens)
-        seq_lens = torch.full((p.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
         max_keys = cache_seqlens + p.n_new  # known on the host: no sync, and the splits fit it
         if block_table is not None and not block_table.is_cuda:  # the tensor path's checks: on a GPU a sync
-            _check_lengths(seq_lens, block_table, p, k_cache.shape[0])
+            _check_lengths(torch.full((p.batch,), cache_seqlens, dtype=torch.int32), block_table, p, k_cache.shape[0])
+        # the kernels take the int as it is (no tensor to fill per call); the reference wants a tensor
+        seq_lens = cache_seqlens if kernels else torch.full((p.batch,), cache_seqlens, dtype=torch.int32)
     else:
         seq_lens = cache_seqlens
         _check_lengths(seq_lens, block_table, p, k_cache.shape[0])
         max_keys = p.capacity
-    if p.n_new:
-        _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table)
-    if ops.use_kernels(q):
+    if kernels:
+        # the append (when k_new is given) and the attention, in one launcher call
         with kernel_module("_triton").on_device(q):  # Triton launches on the current device: the inputs'
             o, lse = kernel_module("decode_kernels").decode_forward(
-                q, k_cache, v_cache, seq_lens, p.n_new, block_table, p.causal, p.scale, max_keys, num_splits)
+                q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, p.causal, p.scale, max_keys, num_splits)
     else:
-        # the cache already holds the new keys: attend to the first L_b of them, in float32 or float64
+        if p.n_new:
+            _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table)
+        # the cache now holds the new keys: attend to the first L_b of them, in float32 or float64
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         lengths = (seq_lens.long() + p.n_new).cpu()
         o, lse, _, _ = reference.kvcache_attention_reference(

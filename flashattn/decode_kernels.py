@@ -113,17 +113,72 @@ def _decode_inner(
 # --8<-- [end:decode-inner]
 
 
-# --8<-- [start:decode-split-kernel]
 @triton.jit
+def _cached_len(SEQLENS, i_b, len_all, SCALAR_LEN: tl.constexpr):
+    """Keys sequence ``i_b`` held before the append: ``len_all`` for every sequence when the caller
+    gave one Python int (no tensor to fill and read), else ``SEQLENS[i_b]``."""
+    if SCALAR_LEN:
+        return len_all
+    else:
+        return tl.load(SEQLENS + i_b)
+
+
+# --8<-- [start:decode-append-kernel]
+@triton.jit(do_not_specialize=["len_all"])
+def _decode_append_kernel(
+    K_NEW, V_NEW, K, V, SEQLENS, TABLE, len_all,  #
+    stride_knb, stride_knn, stride_knh, stride_knd,  #
+    stride_vnb, stride_vnn, stride_vnh, stride_vnd,  #
+    stride_kb, stride_kn, stride_kh, stride_kd,  #
+    stride_vb, stride_vn, stride_vh, stride_vd,  #
+    stride_tb, H_KV, N_NEW, CAPACITY,  #
+    SCALAR_LEN: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Copy row t of k_new[b] and v_new[b] (BLOCK_H heads of it) to position len_b + t of sequence b.
+
+    One program per (b, t) and block of K/V heads. A paged cache maps the position to slot
+    ``pos % PAGE_SIZE`` of page ``table[b, pos // PAGE_SIZE]``, as the key loads do. Positions outside
+    [0, CAPACITY) are never written: the host checks the lengths, and this keeps a bad one in bounds.
+    """
+    i = tl.program_id(0)  # b * N_NEW + t
+    i_b = i // N_NEW
+    t = i % N_NEW
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    # the position, once per head row (a [BLOCK_H] vector: the interpreter cannot mask by a scalar)
+    pos = _cached_len(SEQLENS, i_b, len_all, SCALAR_LEN) + t + tl.zeros([BLOCK_H], dtype=tl.int32)
+    inside = (pos >= 0) & (pos < CAPACITY)
+    pos = tl.where(inside, pos, 0)  # an address to compute, never written to
+    mask = (inside & (offs_h < H_KV))[:, None] & (offs_d < HEAD_DIM)[None, :]
+    if PAGE_SIZE > 0:
+        page = tl.load(TABLE + i_b.to(tl.int64) * stride_tb + pos // PAGE_SIZE).to(tl.int64)
+        slot = (pos % PAGE_SIZE).to(tl.int64)
+        row_k = page * stride_kb + slot * stride_kn  # [BLOCK_H], equal entries
+        row_v = page * stride_vb + slot * stride_vn
+    else:
+        row_k = i_b.to(tl.int64) * stride_kb + pos.to(tl.int64) * stride_kn
+        row_v = i_b.to(tl.int64) * stride_vb + pos.to(tl.int64) * stride_vn
+    h, d = offs_h.to(tl.int64)[:, None], offs_d[None, :]
+    b_k = tl.load(K_NEW + i_b.to(tl.int64) * stride_knb + t * stride_knn + h * stride_knh + d * stride_knd, mask=mask)
+    b_v = tl.load(V_NEW + i_b.to(tl.int64) * stride_vnb + t * stride_vnn + h * stride_vnh + d * stride_vnd, mask=mask)
+    tl.store(K + row_k[:, None] + h * stride_kh + d * stride_kd, b_k, mask=mask)
+    tl.store(V + row_v[:, None] + h * stride_vh + d * stride_vd, b_v, mask=mask)
+# --8<-- [end:decode-append-kernel]
+
+
+# --8<-- [start:decode-split-kernel]
+@triton.jit(do_not_specialize=["len_all"])
 def _decode_split_kernel(
-    Q, K, V, SEQLENS, TABLE, O_PART, LSE_PART, O, LSE,  #
+    Q, K, V, SEQLENS, TABLE, O_PART, LSE_PART, O, LSE, len_all,  #
     stride_qb, stride_qn, stride_qh, stride_qd,  #
     stride_kb, stride_kn, stride_kh, stride_kd,  #
     stride_vb, stride_vn, stride_vh, stride_vd,  #
     stride_tb, stride_ob, stride_on, stride_oh, stride_od,  #
     H_KV, N_Q, N_NEW, N_SPLITS, qk_scale,  #
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCALAR_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     i_bh = tl.program_id(0)  # batch * K/V head
     i_split = tl.program_id(1)
@@ -131,7 +186,7 @@ def _decode_split_kernel(
     i_b = i_bh // H_KV
     i_hkv = i_bh % H_KV
     n_rows = GROUP * N_Q
-    seq_len = tl.load(SEQLENS + i_b) + N_NEW  # keys of this sequence, the appended ones included
+    seq_len = _cached_len(SEQLENS, i_b, len_all, SCALAR_LEN) + N_NEW  # keys of this sequence, the appended ones included
 
     # --8<-- [start:decode-pack]
     # Row r of the tile is query r // GROUP of query head i_hkv * GROUP + r % GROUP: the heads that
@@ -253,9 +308,10 @@ def _decode_merge_kernel(
 # --8<-- [end:decode-merge-kernel]
 
 
-# Hopper and others alike (not tuned yet): the tile's M side is the packed rows, at least 16 for
-# tl.dot; the key block is as long as the registers allow at each head dim. Memory-bound, so the
-# pipeline depth matters more than the tile shape.
+# The tile's M side is the packed rows, at least 16 for tl.dot; the key block is as long as the
+# registers allow at each head dim. At D = 128 the key block and the depth come from a sweep on an
+# H200 (tuning log, "Decoding tiles"): 128-key blocks, two stages for a tile of 16 rows (one query
+# of a GQA group) and three for larger tiles; elsewhere they are not tuned.
 _INTERPRETER_BLOCK_M, _INTERPRETER_BLOCK_N = 16, 16
 _INTERPRETER_SPLITS = 3  # fixed, so that the tests walk several splits, some of them empty
 MAX_SPLITS = 128
@@ -271,7 +327,7 @@ def decode_config(rows: int, block_d: int, device: torch.device) -> _config.Kern
     if block_d <= 64:
         return _config.KernelConfig(block_m, 128, 4, 3)
     if block_d <= 128:
-        return _config.KernelConfig(block_m, 64, 4, 3)
+        return _config.KernelConfig(block_m, 128, 4, 2 if block_m <= 16 else 3)
     return _config.KernelConfig(block_m, 32, 4, 2)
 
 
@@ -301,25 +357,34 @@ def _scratch(shape, device) -> torch.Tensor:
 
 
 # --8<-- [start:decode-launch]
-def decode_forward(q, k_cache, v_cache, seq_lens, n_new: int, block_table, causal: bool, scale: float,
+def decode_forward(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, causal: bool, scale: float,
                    max_keys: int, num_splits: int | None = None):
-    """Run split-KV decoding on a cache that already holds the appended keys.
+    """Append ``k_new``/``v_new`` (None: nothing to append) to the cache in place, then run split-KV
+    decoding on it.
 
-    ``seq_lens`` (B,) int32 on q's device holds the lengths *before* the append of ``n_new`` keys;
-    ``max_keys`` bounds ``seq_lens + n_new`` (the cache's capacity when the lengths are not known on
-    the host). Returns ``(o, lse)``: o (B, Nq, Hq, D) contiguous in q's dtype, lse (B, Hq, Nq) float32
-    natural log. Inputs are validated by :mod:`flashattn.decode`, which also makes q's device the
-    current one, where the launches go.
+    ``seq_lens`` holds the lengths *before* the append: a (B,) int32 tensor on q's device, or one
+    Python int for every sequence, which the kernels take as an argument (no tensor is made or read
+    for it). ``max_keys`` bounds the lengths after the append (the cache's capacity when they are not
+    known on the host). Returns ``(o, lse)``: o (B, Nq, Hq, D) contiguous in q's dtype, lse (B, Hq, Nq)
+    float32 natural log. Inputs are validated by :mod:`flashattn.decode`, which also makes q's device
+    the current one, where the launches go.
     """
-    # the kernel reads seq_lens[b] and a table row's entries at unit stride (a no-op when they are)
-    seq_lens = seq_lens.contiguous()
+    scalar = isinstance(seq_lens, int)
+    # the kernels read seq_lens[b] and a table row's entries at unit stride (a no-op when they are)
+    if not scalar:
+        seq_lens = seq_lens.contiguous()
     block_table = None if block_table is None else block_table.contiguous()
     if _interpreter_needs_float32(q):
-        o, lse = decode_forward(q.float(), k_cache.float(), v_cache.float(), seq_lens, n_new, block_table,
+        if k_new is not None:  # the append copies bits: it moves the bfloat16 values as int16
+            bits = (lambda x: x.view(torch.int16))
+            _append(bits(k_cache), bits(v_cache), seq_lens, bits(k_new), bits(v_new), block_table, None)
+            seq_lens = seq_lens + k_new.shape[1] if scalar else (seq_lens + k_new.shape[1]).to(torch.int32)
+        o, lse = decode_forward(q.float(), k_cache.float(), v_cache.float(), seq_lens, None, None, block_table,
                                 causal, scale, max_keys, num_splits)
         return o.to(q.dtype), lse
     batch, n_q, h_q, d = q.shape
     h_kv = k_cache.shape[2]
+    n_new = 0 if k_new is None else k_new.shape[1]
     group = h_q // h_kv
     rows = group * n_q
     block_d = _head_dim_block(d)
@@ -332,15 +397,19 @@ def decode_forward(q, k_cache, v_cache, seq_lens, n_new: int, block_table, causa
         num_splits = choose_num_splits(batch * h_kv * tiles, max_keys, cfg.block_n, q.device)
     paged = block_table is not None
     # A step whose shapes, layouts and split count repeat an earlier one's replays that step's
-    # launches with its own tensors (flashattn._triton.Recipe), as the attention launchers do.
+    # launches with its own tensors (flashattn._triton.Recipe), as the attention launchers do; an int
+    # length is the launches' one per-call integer, so a loop whose cache grows keeps replaying.
     key = ("decode", q.dtype, q.device, q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(),
-           seq_lens.stride(), None if not paged else (block_table.shape, block_table.stride()),
-           n_new, causal, scale, num_splits)
-    inputs = (q, k_cache, v_cache, seq_lens, block_table)
-    replayed = replay(key, inputs)
+           scalar or seq_lens.stride(), None if not paged else (block_table.shape, block_table.stride()),
+           None if not n_new else (k_new.shape, k_new.stride(), v_new.stride()), causal, scale, num_splits)
+    inputs = (q, k_cache, v_cache, None if scalar else seq_lens, block_table, k_new, v_new)
+    free = (seq_lens if scalar else 0,)
+    replayed = replay(key, inputs, free)
     if replayed is not None:
         return replayed[0], replayed[1]
     record = recording(key)
+    if n_new:
+        _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table, record)
     o = torch.empty((batch, n_q, h_q, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, h_q, n_q), dtype=torch.float32, device=q.device)
     direct = num_splits == 1
@@ -349,21 +418,40 @@ def decode_forward(q, k_cache, v_cache, seq_lens, n_new: int, block_table, causa
     else:
         o_part = _scratch((num_splits, batch * h_kv, rows, d), q.device)
         lse_part = _scratch((num_splits, batch * h_kv, rows), q.device)
-    table = block_table if paged else seq_lens  # any int32 pointer; never read without paging
+    lens = lse if scalar else seq_lens  # any tensor of the call: never read with an int length
+    table = block_table if paged else lens  # likewise never read without paging
     # launch() goes straight to the compiled kernel after the first call: at short caches the host
     # work of Triton's own launch path is longer than the kernels
     launch(_decode_split_kernel, (batch * h_kv, num_splits, tiles),
-           (q, k_cache, v_cache, seq_lens, table, o_part, lse_part, o, lse,
+           (q, k_cache, v_cache, lens, table, o_part, lse_part, o, lse, free[0],
             *q.stride(), *k_cache.stride(), *v_cache.stride(),
             block_table.stride(0) if paged else 0, *o.stride(),
             h_kv, n_q, n_new, num_splits, scale * LOG2E.value),
            dict(GROUP=group, PAGE_SIZE=k_cache.shape[1] if paged else 0, CAUSAL=causal, DIRECT=direct,
-                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n), cfg.options(), record)
+                SCALAR_LEN=scalar, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n),
+           cfg.options(), record)
     if not direct:
         launch(_decode_merge_kernel, (batch * h_kv, tiles),
                (o_part, lse_part, o, lse, *o.stride(), h_kv, n_q, num_splits),
                dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_R=cfg.block_m), dict(num_warps=4), record)
     if record is not None:
-        record.keep(inputs, (o, lse) if direct else (o, lse, o_part, lse_part))
+        record.keep(inputs, (o, lse) if direct else (o, lse, o_part, lse_part), free)
     return o, lse
 # --8<-- [end:decode-launch]
+
+
+def _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table, record) -> None:
+    """Launch :func:`_decode_append_kernel`: k_new and v_new into the cache at each sequence's length."""
+    batch, n_new, h_kv, d = k_new.shape
+    scalar = isinstance(seq_lens, int)
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    block_d = _head_dim_block(d)
+    block_h = max(2, min(triton.next_power_of_2(h_kv), 4096 // block_d))  # K/V heads per program
+    lens = k_cache if scalar else seq_lens  # never read with an int length
+    launch(_decode_append_kernel, (batch * n_new, ceil_div(h_kv, block_h)),
+           (k_new, v_new, k_cache, v_cache, lens, block_table if paged else lens, seq_lens if scalar else 0,
+            *k_new.stride(), *v_new.stride(), *k_cache.stride(), *v_cache.stride(),
+            block_table.stride(0) if paged else 0, h_kv, n_new, capacity),
+           dict(SCALAR_LEN=scalar, PAGE_SIZE=k_cache.shape[1] if paged else 0, HEAD_DIM=d, BLOCK_H=block_h,
+                BLOCK_D=block_d), dict(num_warps=4), record)

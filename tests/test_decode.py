@@ -130,13 +130,16 @@ def test_interpreter_splits_and_poisoned_scratch(num_splits, monkeypatch):
     _check(q, k_cache, v_cache, torch.tensor([40, 0], dtype=torch.int32), k_new, v_new, True, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("num_splits, paged, int_lengths", [(1, False, False), (3, False, True), (2, True, False)],
-                         ids=["direct", "splits-int-lengths", "paged"])
-def test_replayed_decode_steps_are_the_full_path(monkeypatch, num_splits, paged, int_lengths):
+@pytest.mark.parametrize("num_splits, paged, int_lengths, append", [
+    (1, False, False, False), (3, False, True, False), (2, True, False, False), (3, False, True, True),
+    (2, True, True, True), (1, True, False, True)],
+    ids=["direct", "splits-int-lengths", "paged", "append-int-lengths", "paged-append-int-lengths", "paged-append"])
+def test_replayed_decode_steps_are_the_full_path(monkeypatch, num_splits, paged, int_lengths, append):
     """A decoding step repeated from its recipe (flashattn._triton.Recipe) hands the C launchers exactly
-    what the full path hands them for the same tensors: the split kernel's and the merge's pointers,
-    strides and scalars, with one split (no merge, no scratch), with several and an int cache length,
-    and with a paged cache. On the CPU, through benchmarks.hostcost's no-op launches."""
+    what the full path hands them for the same tensors: the append kernel's, the split kernel's and the
+    merge's pointers, strides and scalars, with one split (no merge, no scratch), with several, with an
+    int cache length (a per-call integer: the later step's is one longer, as in a decoding loop), with a
+    paged cache, and with new keys appended. On the CPU, through benchmarks.hostcost's no-op launches."""
     from benchmarks import hostcost
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the tool refuses the interpreter; kernels count as compiled
@@ -151,17 +154,23 @@ def test_replayed_decode_steps_are_the_full_path(monkeypatch, num_splits, paged,
             table = torch.randperm(8, generator=gen)[:6].to(torch.int32).view(b, 3)
         else:
             cache, table = (rand(b, m, h_kv, d), rand(b, m, h_kv, d)), None
-        lengths = 70 if int_lengths else torch.tensor([70, 33], dtype=torch.int32)
-        return q, *cache, lengths, table
+        lengths = 70 + calls[0] if int_lengths else torch.tensor([70, 33], dtype=torch.int32)
+        new = (rand(b, 2, h_kv, d), rand(b, 2, h_kv, d)) if append else (None, None)
+        calls[0] += 1
+        return q, *cache, lengths, table, *new
 
-    def run(q, k_cache, v_cache, lengths, table):
-        attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, num_splits=num_splits)
+    def run(q, k_cache, v_cache, lengths, table, k_new, v_new):
+        attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, num_splits=num_splits,
+                               k_new=k_new, v_new=v_new)
 
+    calls = [0]
     first, later = make(), make()
     got = hostcost.replayed_and_full(run, first, later, later[:3] + later[4:])
-    assert len(got[True]) == len(got[False]) == (1 if num_splits == 1 else 2)
+    assert len(got[True]) == len(got[False]) == (1 if num_splits == 1 else 2) + append
     assert len(got["kept"]) == 1 and got["keys"] == 0  # replayed: no cache key, no binding
     assert got[True] == got[False]
+    if int_lengths:  # the later step's own length reached every launch that takes it
+        assert sum((int, 71) in launch for launch in got[True]) == 1 + append
 
 
 @cpu_only
