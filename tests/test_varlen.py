@@ -309,14 +309,18 @@ def _bad_calls():
         (call(cu_q=cu_q[:1], cu_k=cu_k[:1]), ValueError, "cu_seqlens_q must be 1-D with B"),
         (call(max_q=-1), ValueError, "max_seqlen_q must be >= 0"),
         (call(q=q[:, :0]), ValueError, "positive multiple"),
-        # on the CPU the values are checked even with validate=False (no sync to save there)
+    ] + ([  # on the CPU the values are checked even with validate=False (no sync to save there); on a GPU
+        # validate=False skips them by design (the API's promise), so the case is the CPU's alone
         (call(cu_q=i32([0, 3, 7]), opts=dict(validate=False)), ValueError, "must end at the number of rows of q (8)"),
-    ]
+    ] if q.device.type == "cpu" else [])
 
 
 @pytest.mark.parametrize("index", range(18))
 def test_bad_input_raises_a_clear_error(index):
-    fn, exc, words = _bad_calls()[index]
+    calls = _bad_calls()
+    if index >= len(calls):
+        pytest.skip("a CPU-only case (validate=False checks values only on the CPU)")
+    fn, exc, words = calls[index]
     with pytest.raises(exc, match=words.replace("(", r"\(").replace(")", r"\)")):
         fn()
 
