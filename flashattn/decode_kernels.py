@@ -310,7 +310,7 @@ def _decode_merge_kernel(
 
 # The tile's M side is the packed rows, at least 16 for tl.dot; the key block is as long as the
 # registers allow at each head dim. At D = 128 the key block and the depth come from a sweep on an
-# H200 (tuning log, "Decoding tiles"): 128-key blocks, two stages for a tile of 16 rows (one query
+# H200 (tuning log, "Decoding: an append kernel, int lengths, and swept tiles"): 128-key blocks, two stages for a tile of 16 rows (one query
 # of a GQA group) and three for larger tiles; elsewhere they are not tuned.
 _INTERPRETER_BLOCK_M, _INTERPRETER_BLOCK_N = 16, 16
 _INTERPRETER_SPLITS = 3  # fixed, so that the tests walk several splits, some of them empty
@@ -375,9 +375,8 @@ def decode_forward(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, cau
         seq_lens = seq_lens.contiguous()
     block_table = None if block_table is None else block_table.contiguous()
     if _interpreter_needs_float32(q):
-        if k_new is not None:  # the append copies bits: it moves the bfloat16 values as int16
-            bits = (lambda x: x.view(torch.int16))
-            _append(bits(k_cache), bits(v_cache), seq_lens, bits(k_new), bits(v_new), block_table, None)
+        if k_new is not None:  # the append only copies: it runs in bfloat16, into the cache itself
+            _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table, None)
             seq_lens = seq_lens + k_new.shape[1] if scalar else (seq_lens + k_new.shape[1]).to(torch.int32)
         o, lse = decode_forward(q.float(), k_cache.float(), v_cache.float(), seq_lens, None, None, block_table,
                                 causal, scale, max_keys, num_splits)
