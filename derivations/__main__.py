@@ -1,7 +1,8 @@
 """``python -m derivations [--json [PATH]] [--verbose] [--only NAME ...]``
 
 Runs every derivation check, prints one row per identity (identity, method, sizes, result, negative
-control rejected?) and exits 1 if any check fails or any negative control is accepted.
+control rejected?) and exits 1 if any check fails or any negative control is accepted. While it runs, a
+line per check goes to stderr as soon as that check has finished.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 import textwrap
 import time
 
-from . import MODULES, all_good, as_rows, run_all
+from . import MODULES, all_good, as_rows, run_module
 
 
 def table(results, verbose: bool) -> str:
@@ -30,6 +31,13 @@ def table(results, verbose: bool) -> str:
     return "\n".join(out)
 
 
+def progress(k: int, total: int, r, seconds: float) -> str:
+    """The line printed as soon as check `k` of `total` has finished."""
+    verdict = "pass" if r.passed else "FAIL"
+    control = "rejected" if r.negative_control_rejected else "ACCEPTED"
+    return f"[{k:>2}/{total}] {verdict:<4} control {control:<8} {seconds:5.1f} s  {r.identity}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m derivations", description=__doc__.splitlines()[2])
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
@@ -39,8 +47,12 @@ def main(argv=None) -> int:
                         help=f"run only these modules ({', '.join(MODULES)})")
     args = parser.parse_args(argv)
 
+    names = args.only or MODULES
     start = time.perf_counter()
-    results = run_all(args.only or MODULES)
+    results = []
+    for k, name in enumerate(names, 1):
+        results.append(run_module(name))
+        print(progress(k, len(names), *results[-1]), file=sys.stderr, flush=True)
     elapsed = time.perf_counter() - start
     ok = all_good(results)
     payload = {"all_passed": ok, "rows": as_rows(results)}

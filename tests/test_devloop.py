@@ -106,3 +106,33 @@ def test_a_signal_to_dev_serve_stops_the_server(tmp_path, sig):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         proc.stderr.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# python -m derivations
+# ------------------------------------------------------------------------------------------------
+def test_python_m_derivations_reports_each_check_before_the_next_starts(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from derivations import CheckResult
+    from derivations import __main__ as cli
+
+    seen_before = []
+
+    def fake_run_module(name):
+        seen_before.append(capsys.readouterr().err)  # what was printed before this check started
+        ok = name != "merge"
+        return CheckResult(identity=f"identity of {name}", method="m", sizes="s", passed=ok,
+                           negative_control_rejected=True, details=[f"detail of {name}"],
+                           module=f"derivations.{name}"), 0.5
+
+    monkeypatch.setattr(cli, "run_module", fake_run_module)
+    assert cli.main(["--only", "online_softmax", "merge", "d_identity"]) == 1  # merge fails: exit 1
+    rest = capsys.readouterr()
+    assert seen_before[0] == ""
+    assert "[ 1/3] pass" in seen_before[1] and "identity of online_softmax" in seen_before[1]
+    assert "[ 2/3] FAIL" in seen_before[2] and "identity of merge" in seen_before[2]
+    assert "[ 3/3] pass" in rest.err and "identity of d_identity" in rest.err
+    # the final table still lists every check, with the failing one's details
+    assert all(f"identity of {n}" in rest.out for n in ("online_softmax", "merge", "d_identity"))
+    assert "detail of merge" in rest.out
+    assert "2/3 identities pass" in rest.out and "FAILED" in rest.out
