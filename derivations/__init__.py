@@ -35,6 +35,7 @@ MODULES = (
     "io_complexity",
     "backward_precision",
     "merge",
+    "errata",
 )
 
 

@@ -25,7 +25,8 @@ from ._result import CheckResult, Ledger
 IDENTITY = "backward precision: error of O, dQ, dK, dV in float16 vs bfloat16 against float64; rowsum(dS) ≠ 0"
 METHOD = ("PyTorch emulation of the kernels' rounding points (P, dS, O, δ) against float64 on the same inputs; "
           "PyTorch's own low-precision autograd as the yardstick")
-NEGATIVE = "'rowsum(dS) = 0 in the kernel's arithmetic'; 'bfloat16 is as accurate as float16'"
+NEGATIVE = ("'rowsum(dS) = 0 in the kernel's arithmetic'; 'bfloat16 is as accurate as float16'; "
+            "'the last rounding is the largest share of the error'")
 
 NAMES = ("O", "dQ", "dK", "dV")
 
@@ -60,9 +61,11 @@ def exact(q, k, v, do):
     return dict(O=o, dQ=tau * ds @ k, dK=tau * ds.T @ q, dV=p.T @ do, dS=ds)
 
 
-def kernel_like(q, k, v, do, round_p=True, round_ds=True, delta_from="stored O"):
+def kernel_like(q, k, v, do, round_p=True, round_ds=True, delta_from="stored O", round_out=True):
     """The kernels' arithmetic: float32 products and softmax; P and dS rounded to the input dtype before
-    their products; O stored in the input dtype; δ from the stored O (or from the float32 O)."""
+    their products; O stored in the input dtype; δ from the stored O (or from the float32 O); the
+    results rounded to the input dtype as they are stored (or, with round_out=False, kept in float32:
+    then only the internal roundings show)."""
     import torch
 
     low, f32 = q.dtype, torch.float32
@@ -82,7 +85,8 @@ def kernel_like(q, k, v, do, round_p=True, round_ds=True, delta_from="stored O")
     ds = p * (dp - delta)
     dq = tau * rnd(ds, round_ds) @ k32
     dk = tau * rnd(ds, round_ds).T @ q32
-    return dict(O=o_stored, dQ=dq.to(low), dK=dk.to(low), dV=dv.to(low), dS=ds)
+    out = rnd if round_out else (lambda x: x)
+    return dict(O=out(o32), dQ=out(dq), dK=out(dk), dV=out(dv), dS=ds)
 
 
 def torch_low_precision(q, k, v, do):
@@ -114,6 +118,10 @@ def measure():
             kernel={k: rel_error(ker[k], ref[k]) for k in NAMES},
             torch={k: rel_error(pt[k], ref[k]) for k in NAMES},
             keep_ds={k: rel_error(kernel_like(*x, round_ds=False)[k], ref[k]) for k in NAMES},
+            keep_p_ds={k: rel_error(kernel_like(*x, round_p=False, round_ds=False)[k], ref[k]) for k in NAMES},
+            # the two shares of the kernel's error, each measured alone
+            internal={k: rel_error(kernel_like(*x, round_out=False)[k], ref[k]) for k in NAMES},
+            last={k: rel_error(ref[k].to(dtype), ref[k]) for k in NAMES},
             rowsum=dict(exact=rowsum_ds(ref["dS"]), kernel=rowsum_ds(ker["dS"]),
                         delta_from_float32_O=rowsum_ds(kernel_like(*x, delta_from="float32 O")["dS"]),
                         all_float32=rowsum_ds(kernel_like(*x, round_p=False, delta_from="float32 O")["dS"])),
@@ -138,6 +146,15 @@ def check() -> CheckResult:
         ledger.claim(f"{dtype}: dS kept in float32 instead of rounded: dQ {row['keep_ds']['dQ']:.1e}, "
                      f"dK {row['keep_ds']['dK']:.1e} (rounding dS is a visible part of their error)",
                      all(row["keep_ds"][k] < row["kernel"][k] for k in ("dQ", "dK")))
+        ledger.claim(f"{dtype}: P and dS kept in float32 (δ still from the stored O): "
+                     + ", ".join(f"{k} {row['keep_p_ds'][k]:.1e}" for k in NAMES),
+                     all(row["keep_p_ds"][k] < row["kernel"][k] for k in NAMES))
+        ledger.claim(f"{dtype}: the shares, each alone — internal roundings (P, dS, stored O; results kept in "
+                     "float32): " + ", ".join(f"{k} {row['internal'][k]:.1e}" for k in NAMES)
+                     + "; the last rounding (the float64 result rounded to " + dtype + "): "
+                     + ", ".join(f"{k} {row['last'][k]:.1e}" for k in NAMES)
+                     + " — comparable, within 2× of each other for the gradients",
+                     all(0.5 < row["internal"][k] / row["last"][k] < 2 for k in ("dQ", "dK", "dV")))
         r = row["rowsum"]
         ledger.claim(f"{dtype}: max|rowsum(dS)|/max|dS| = {r['exact']:.1e} in float64; {r['kernel']:.1e} in the "
                      f"kernel's arithmetic; {r['delta_from_float32_O']:.1e} with δ from the unrounded O (P still "
@@ -152,6 +169,8 @@ def check() -> CheckResult:
                    all(row["rowsum"]["kernel"] > 1e-6 for row in table.values()))
     ledger.control("'bfloat16 gradients are as accurate as float16' (within 2×)",
                    all(bf16["kernel"][k] > 2 * fp16["kernel"][k] for k in NAMES))
+    ledger.control("'the last rounding is the largest share' (internal share below 2/3 of the last, for dQ and dK)",
+                   all(row["internal"][k] > row["last"][k] * 2 / 3 for row in table.values() for k in ("dQ", "dK")))
     # --8<-- [end:negative]
     return ledger.result(identity=IDENTITY, method=METHOD, sizes="N = M = 256, d = 64, one head, seed 0",
                          negative_control=NEGATIVE, module=__name__)

@@ -14,7 +14,9 @@ each loop, which must agree with that count, says which products they are:
   5 products, 10·N·M·d;
 * backward in two kernels (dK/dV, then dQ), deterministic: the dK/dV kernel does S, dP, dV, dK and
   the dQ kernel must recompute both S (for P) *and* dP (for dS = P ∘ (dP − δ)) before dQ += dS K →
-  7 products, 14·N·M·d. Counting 12·N·M·d forgets that the dQ kernel needs dP.
+  7 products, 14·N·M·d. Counting 12·N·M·d forgets that the dQ kernel needs dP; seed 004 heads
+  its Triton section "Triton (Two Kernels, 12N²d FLOPS)", and the check rejects that figure,
+  parsed from the stored passage (`derivations.seed_passages.COST_004`).
 
 Benchmarks report backward FLOPs as 2.5 × forward by convention (10/4, the single-kernel count),
 whatever the kernel really does; `flashattn.cost.attention_flops` is that convention, and causal
@@ -30,11 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._result import CheckResult, Ledger
+from .seed_passages import COST_004, leading_number
 
 IDENTITY = "cost model: forward 4N²d; backward 10N²d (atomic dQ) and 14N²d (two kernels), counted from the kernels"
 METHOD = ("tl.dot calls counted in the kernels' loop bodies (ast); loop dataflow models with shape checks "
           "that must agree; SymPy totals")
-NEGATIVE = "12N²d two-kernel backward (dQ kernel without dP), in the model and in a mutated kernel source"
+NEGATIVE = ("12N²d two-kernel backward (dQ kernel without dP), in the model, in a mutated kernel source and "
+            "as seed 004 states it")
+# The control that rejects seed 004's figure, by name (the Errata page quotes this line).
+SEED_004_CONTROL = (f"seed 004's \"{COST_004.text}\": {leading_number(COST_004.text, 'N²d')}·N²d for two "
+                    f"kernels is not the 14·N²d their 4 + 3 products cost")
 
 
 # --8<-- [start:loops]
@@ -303,6 +310,9 @@ def check() -> CheckResult:
     ledger.control("a dQ loop without its dP product (mutated source) counts 12·N·M·d, not the models' 14",
                    lambda: 2 * (len(dots_in_loop(mutated, "_bwd_dkdv_inner")) + len(dots_in_loop(mutated, "_bwd_dq_inner")))
                    == 12 != _coefficient(BACKWARD_TWO_KERNELS))
+    ledger.control(SEED_004_CONTROL, lambda: "Two Kernels" in COST_004.text
+                   and leading_number(COST_004.text, "N²d")
+                   != 2 * (len(products["dK, dV"]) + len(products["dQ"])) == _coefficient(BACKWARD_TWO_KERNELS))
     ledger.control("dQ += dSᵀ K (wrong operand) fails the shape check",
                    lambda: _raises(LoopError, lambda: matmul_count((Kernel("bad", ("Q", "K", "dS"), (
                        MatMul("dQ", "dS^T", "K"),), ("dQ",)),))))

@@ -9,9 +9,11 @@ Backward, with dP̃ = dO Vᵀ the gradient with respect to P̃:
     dV = P̃ᵀ dO,    dP = dP̃ ∘ Z / (1 − p_drop),    dS = P ∘ (dP − δ),    δ = rowsum(P ∘ dP).
 
 The δ identity survives: rowsum(P ∘ dP) = rowsum(P̃ ∘ dP̃) = rowsum(dO ∘ O), with O the output of
-the *dropped* P̃, exactly the O the forward pass stored. dS is formed from the *undropped* P: a
-backward that reassigns P to P̃ and then forms dS = P̃ ∘ (dP̃ − δ) gets the first term right
-(P̃ ∘ dP̃ = P ∘ dP) and the second wrong (P̃ δ instead of P δ); the two agree only when p_drop = 0.
+the *dropped* P̃, exactly the O the forward pass stored. dS is formed from the *undropped* P.
+Seed 003's Appendix B reassigns P ← P̃, rescales dP ← dP ∘ Z/keep (keep = 1 − p_drop) and then forms
+dS = P̃ ∘ (dP − rowsum(dP ∘ P̃)): the mask and 1/keep enter twice. With Z ∘ Z = Z that is
+dS_seed = (Z/keep) ∘ P ∘ (dP − δ/keep): zero on the dropped entries, where the true dS is −P_ij δ_i,
+and on the kept ones 1/keep times P ∘ (dP − δ/keep). It agrees with the true dS only when p_drop = 0.
 
 In a kernel's terms: the forward drops the *normalized* probabilities, so the running sum ℓ and the
 LSE are those of the undropped row (the LSE does not depend on Z) while only the accumulator sees
@@ -36,14 +38,15 @@ from ._common import (broadcast_rows, hadamard, holds, is_zero_with_exps, mp_mat
                      mp_numeric_gradient, mp_row_softmax, rational_matrix, row_softmax, rowsum,
                      symbol_matrix)
 from ._result import CheckResult, Ledger
+from .seed_passages import DROPOUT_003, run_steps
 
 IDENTITY = ("dropout: O = (P∘Z/(1−p_drop))V, LSE unchanged; dV = P̃ᵀdO; dS = P∘(Z∘(dO Vᵀ)/(1−p_drop) − δ); "
             "δ = rowsum(dO∘O) still")
 METHOD = ("SymPy with symbolic mask entries and drop probability; exact rationals; mpmath central differences; "
           "float64 torch with a fixed mask: autograd (causal, N ≠ M, empty rows, GQA) and a tile-by-tile online forward")
 NEGATIVE = ("dV = Pᵀ dO (mask forgotten); dP = dO Vᵀ (mask not applied); δ from the undropped output; "
-            "dS = P̃ ∘ (dP̃ − δ), P reassigned to P̃ (seed 003, Appendix B); the online sum ℓ taken over the "
-            "dropped row")
+            "seed 003's Appendix B run from its stored passage: P ← P̃, dP ← dP ∘ Z/keep, "
+            "dS = P̃ ∘ (dP − rowsum(dP ∘ P̃)); dS = P̃ ∘ (dP̃ − δ); the online sum ℓ taken over the dropped row")
 
 
 # --8<-- [start:formula]
@@ -78,6 +81,63 @@ def symbolic_route(backward, shapes) -> bool:
             return False
     return True
 # --8<-- [end:proof]
+
+
+class _Tile:
+    """A SymPy matrix under the seeds' notation, so that a stored passage can be evaluated as written:
+    `∘` (parsed to *) is the elementwise product and a column (a rowsum) broadcasts across a row."""
+
+    def __init__(self, m):
+        self.m = m
+
+    def _operand(self, other):
+        if not isinstance(other, _Tile):
+            return other  # a scalar
+        o = other.m
+        return broadcast_rows(o, self.m.cols) if o.cols == 1 and self.m.cols > 1 else o
+
+    def __mul__(self, other):
+        o = self._operand(other)
+        return _Tile(hadamard(self.m, o) if isinstance(o, sp.MatrixBase) else self.m * o)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other):
+        o = self._operand(other)
+        return _Tile(self.m / o if not isinstance(o, sp.MatrixBase)
+                     else sp.Matrix(self.m.rows, self.m.cols, lambda i, j: self.m[i, j] / o[i, j]))
+
+    def __sub__(self, other):
+        return _Tile(self.m - self._operand(other))
+
+
+def seed_003_backward(P, Z, keep, V, dO, O):
+    """Seed 003's Appendix B, evaluated from its passage in `derivations.seed_passages` (not re-typed):
+    P ← P̃; dP ← dP ∘ Z/keep; dS = P̃ ∘ (dP − rowsum(dP ∘ P̃)), starting from dP = dO Vᵀ."""
+    env = {"P": _Tile(P), "Pt": _Tile(hadamard(P, Z) / keep), "Z": _Tile(Z), "keep": keep,
+           "dP": _Tile(dO * V.T), "rowsum": lambda A: _Tile(rowsum(A.m))}
+    return {**dropout_backward(P, Z, keep, V, dO, O), "dS": run_steps(DROPOUT_003, env)["dS"].m}
+
+
+def seed_003_closed_form(seed: int = 31, shape=(5, 7, 3)) -> bool:
+    """Exact rationals, 0/1 mask, p_drop = 1/5: the seed's steps give (Z/keep) ∘ P ∘ (dP − δ/keep), which
+    is 0 on every dropped entry (the true dS there is −P_ij δ_i ≠ 0)."""
+    rng = random.Random(seed)
+    keep = 1 - sp.Rational(1, 5)
+    N, M, d = shape
+    P = sp.Matrix(N, M, lambda i, j: sp.Rational(rng.randint(1, 16), 16))  # no zero entry
+    Z = sp.Matrix(N, M, lambda i, j: int(rng.random() < 0.8))
+    Z[0, 0] = 0
+    V, dO = sp.Matrix(rational_matrix(rng, M, d)), sp.Matrix(rational_matrix(rng, N, d))
+    O = (hadamard(P, Z) / keep) * V
+    true = dropout_backward(P, Z, keep, V, dO, O)
+    dP = hadamard(dO * V.T, Z) / keep
+    delta = rowsum(hadamard(P, dP))
+    closed = hadamard(Z / keep, hadamard(P, dP - broadcast_rows(delta / keep, M)))
+    seed_ds = seed_003_backward(P, Z, keep, V, dO, O)["dS"]
+    dropped = [(i, j) for i in range(N) for j in range(M) if Z[i, j] == 0]
+    return (seed_ds == closed and all(seed_ds[i, j] == 0 and true["dS"][i, j] != 0 for i, j in dropped)
+            and seed_ds != true["dS"])
 
 
 # --8<-- [start:numeric]
@@ -232,15 +292,14 @@ def online_route(sum_dropped: bool = False, seed: int = 4, p_drop: float = 0.25,
 
 
 def p_drop_zero_hides(shapes) -> bool:
-    """With Z = 1 and p_drop = 0, P̃ = P, and dS = P̃ ∘ (dP̃ − δ) is the true softmax backward (symbolic)."""
+    """With Z = 1 and p_drop = 0, P̃ = P, and seed 003's steps give the true softmax backward (symbolic):
+    why a run with dropout_p = 0 does not show the error."""
     for N, M, d in shapes:
         S, V, dO = symbol_matrix("s", N, M), symbol_matrix("v", M, d), symbol_matrix("g", N, d)
         P = row_softmax(S)
-        Z = sp.ones(N, M)
         O = P * V
         loss = sum(hadamard(dO, O))
-        dP = dO * V.T
-        dS = hadamard(hadamard(P, Z), dP - broadcast_rows(rowsum(hadamard(dO, O)), M))
+        dS = seed_003_backward(P, sp.ones(N, M), sp.Integer(1), V, dO, O)["dS"]
         if not all(holds(lambda i=i, j=j: is_zero_with_exps(dS[i, j] - sp.diff(loss, S[i, j])))
                    for i in range(N) for j in range(M)):
             return False
@@ -260,8 +319,10 @@ def check() -> CheckResult:
                  lambda: rational_route(dropout_backward, RATIONAL_SHAPES))
     ledger.claim(f"mpmath 40 digits, Bernoulli mask: dS, dV vs central differences {NUMERIC_SHAPES}",
                  lambda: mpmath_route(dropout_backward, NUMERIC_SHAPES))
-    ledger.claim("dS = P̃ ∘ (dP̃ − δ) equals the true dS when p_drop = 0 (Z = 1): why running with "
-                 "dropout_p = 0 hides it", lambda: p_drop_zero_hides(SYMBOLIC_SHAPES))
+    ledger.claim("seed 003's Appendix B (run from its passage) equals the true dS when p_drop = 0 (Z = 1): "
+                 "why running with dropout_p = 0 hides it", lambda: p_drop_zero_hides(SYMBOLIC_SHAPES))
+    ledger.claim("seed 003's Appendix B (run from its passage) gives (Z/keep) ∘ P ∘ (dP − δ/keep): 0 on dropped "
+                 "entries, where the true dS is −P_ij δ_i (exact rationals, 5×7×3, p_drop = 1/5)", seed_003_closed_form)
     ledger.claim("float64 torch, fixed mask, p_drop = 1/4: autograd dQ, dK, dV = the kernel's dS = P∘(Z∘dP̃/(1−p_drop) − δ) "
                  "pushed through τ dS K, τ dSᵀ Q (causal 7×5 with empty rows and GQA 2:1; 4×6)",
                  lambda: torch_route(dropout_backward))
@@ -283,15 +344,17 @@ def check() -> CheckResult:
         return {**dropout_backward(P, Z, keep, V, dO, O), "D": D,
                 "dS": hadamard(P, dP - broadcast_rows(D, P.cols))}
 
-    def ds_from_dropped_p(P, Z, keep, V, dO, O):
-        P = hadamard(P, Z) / keep  # P reassigned to the dropped P̃, as seed 003's Appendix B does
+    def ds_from_dropped_p(P, Z, keep, V, dO, O):  # a slip no seed makes: P̃ in place of P, δ from O
+        P = hadamard(P, Z) / keep
         dP = dO * V.T
         D = rowsum(hadamard(dO, O))
         return {**dropout_backward(P, Z, keep, V, dO, O), "dS": hadamard(P, dP - broadcast_rows(D, P.cols))}
 
     for name, wrong in (("dV = Pᵀ dO", mask_forgotten_in_dv), ("dP = dO Vᵀ", mask_not_applied_to_dp),
                         ("δ from undropped O", d_from_undropped_output),
-                        ("dS = P̃ ∘ (dP̃ − δ) (seed 003, App. B)", ds_from_dropped_p)):
+                        ("dS = P̃ ∘ (dP̃ − δ)", ds_from_dropped_p),
+                        ("seed 003, App. B: dS = P̃ ∘ (dP − rowsum(dP ∘ P̃)) after P ← P̃, dP ← dP ∘ Z/keep",
+                         seed_003_backward)):
         ledger.control(f"{name}: symbolic", lambda: not symbolic_route(wrong, SYMBOLIC_SHAPES[:1]))
         ledger.control(f"{name}: mpmath", lambda: not mpmath_route(wrong, NUMERIC_SHAPES))
         ledger.control(f"{name}: torch", lambda: not torch_route(wrong))

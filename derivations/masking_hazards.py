@@ -22,9 +22,15 @@ d. Rows past N in the dK/dV loop. Their Q and dO tiles load as zeros (tensor des
    the unmasked loop is bitwise equal to the masked one, and the kernel's explicit row mask is
    defensive. Padding rows *inside* the sequence (tokens whose dO is 0) are safe too whatever their
    Q holds: they have a real LSE, so P ≤ 1, and dP = δ = 0. The real hazard is a masked load without
-   `other=`: its masked-off lanes are undefined, and a garbage LSE₂ makes P = inf and the block's
-   dK and dV NaN. Fix: `other=0.0` on every masked load. The row mask is then defensive; it is no
-   substitute, since it zeroes P but a NaN δ lane still gives dS = 0·(0 − NaN) = NaN.
+   `other=`. Guaranteed: nothing; Triton documents the masked-off value as undefined when `other` is
+   None (and a block-pointer load's default padding_option "" names no value either). Observed:
+   Triton's interpreter fills zeros there, and today's GPU backends happen to as well; the check
+   reads the first two facts from the installed Triton and does not claim the third. What it shows
+   is the consequence *if* a lane holds anything else: the check itself puts −200, NaN or −3e38 in
+   those lanes, and the block's dK and dV come out NaN. Fix: `other=0.0` on every masked load whose
+   value is used. The row mask is then defensive; it is no substitute, since it zeroes P but a NaN δ
+   lane still gives dS = 0·(0 − NaN) = NaN. A load whose masked-off lanes reach only a store under
+   the same mask needs no `other=`: those lanes are never written.
 """
 # --8<-- [end:statement]
 
@@ -42,6 +48,11 @@ from flashattn import schedule
 
 from ._result import CheckResult, Ledger
 from .online_softmax import exp2_exact, finish, online_step
+from .seed_passages import ZERO_PADDED_004
+
+# The control that answers seed 004's "zero-padded via the mask" (the Errata page quotes this line).
+ZERO_PADDED_CONTROL = (f"d: '{ZERO_PADDED_004.text}' (seed 004) is not guaranteed: if a masked-off LSE₂ lane held "
+                       "−200, NaN or −3e38 (put there by this check), the unmasked dK/dV would be NaN")
 
 IDENTITY = ("masking hazards a–d: zero-scored padding, −∞ − (−∞), overflow in masked lanes, "
             "rows past N and masked loads without other=")
@@ -49,7 +60,8 @@ METHOD = ("SymPy + exact base-2 rationals (a); the package's schedule, brute for
           "demonstrations with the fix (c, d); the kernel source's tl.load calls (d)")
 NEGATIVE = ("pad keys with 0; '2^(−m) per pad' in unshifted units; walk down from the diagonal unguarded; "
             "mask by multiplying; masked loads without other= read as zeros")
-BACKWARD_SOURCE = Path(__file__).resolve().parents[1] / "flashattn" / "backward.py"
+PACKAGE = Path(__file__).resolve().parents[1] / "flashattn"
+BACKWARD_SOURCE = PACKAGE / "backward.py"
 
 
 # ---------------------------------------------------------------- a. zero-scored padding
@@ -327,12 +339,13 @@ def close_to(got, ref_dk, ref_dv) -> bool:
                 and np.allclose(dk, ref_dk, rtol=1e-4, atol=1e-5) and np.allclose(dv, ref_dv, rtol=1e-4, atol=1e-5))
 
 
-# Values a masked-off lane of a load without `other=` may hold: whatever was in the register or memory.
+# Values this check *puts* in a masked-off lane of a load without `other=`, to show what follows if a
+# backend leaves something other than 0 there (Triton does not define the value; it is not observed here).
 GARBAGE = (np.float32(-200.0), np.float32(np.nan), np.float32(-3e38))
 
 
 def with_garbage_stats(args, garbage, delta_garbage=None):
-    """The tiles of ``args`` with the LSE₂ (and δ) lanes of rows past N holding ``garbage``."""
+    """The tiles of ``args`` with the LSE₂ (and δ) lanes of rows past N set to ``garbage``."""
     q, k, v, do, lse2, delta, n_valid, scale = args
     lse2, delta = lse2.copy(), delta.copy()
     lse2[n_valid:] = garbage
@@ -340,20 +353,92 @@ def with_garbage_stats(args, garbage, delta_garbage=None):
     return (q, k, v, do, lse2, delta, n_valid, scale)
 
 
+def _is_tl(node, name: str) -> bool:
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == name
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "tl")
+
+
 def masked_loads_without_other(source: str) -> list[str]:
     """Every `tl.load(..., mask=...)` in `source` that gives no `other=`: its masked-off lanes are undefined."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load"
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "tl"):
+        if _is_tl(node, "load"):
             keywords = {kw.arg for kw in node.keywords}
             if "mask" in keywords and "other" not in keywords:
                 found.append(ast.unparse(node))
     return found
 
 
-# A load as seed 004 lists it (twice, for the LSE and for Δ), with a mask and no `other=`.
-SEED_004_LOAD = "b_lse = tl.load(LSE + offs_m, mask=offs_m < SEQ)\nb_delta = tl.load(D + offs_m, mask=offs_m < SEQ)\n"
+def undefined_lanes_that_escape(source: str) -> tuple[list[str], list[str]]:
+    """Split the loads without `other=` of `source`: (harmless, hazardous). A load is harmless when it
+    is assigned to a name and, in its function, every use of that name is the value of a `tl.store`
+    whose mask is the load's mask, written identically: its undefined lanes are never stored or
+    computed with. Every other load without `other=` (returned, used in arithmetic, stored under
+    another mask) is hazardous."""
+    harmless, hazardous, seen = [], [], set()
+    assigned = {}
+    for fn in (n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)):
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                assigned[id(node.value)] = (node.targets[0].id, fn)
+        for node in ast.walk(fn):
+            if not _is_tl(node, "load") or id(node) in seen:
+                continue
+            seen.add(id(node))
+            kw = {k.arg: k.value for k in node.keywords}
+            if "mask" not in kw or "other" in kw:
+                continue
+            text = ast.unparse(node)
+            if id(node) not in assigned:
+                hazardous.append(text)
+                continue
+            name, where = assigned[id(node)]
+            mask = ast.unparse(kw["mask"])
+            ok_uses = {id(c.args[1]) for c in ast.walk(where) if _is_tl(c, "store") and len(c.args) > 1
+                       and isinstance(c.args[1], ast.Name) and c.args[1].id == name
+                       and any(k.arg == "mask" and ast.unparse(k.value) == mask for k in c.keywords)}
+            uses = [n for n in ast.walk(where) if isinstance(n, ast.Name) and n.id == name
+                    and isinstance(n.ctx, ast.Load)]
+            (harmless if uses and all(id(u) in ok_uses for u in uses) else hazardous).append(text)
+    return harmless, hazardous
+
+
+def package_loads() -> dict[str, tuple[list[str], list[str]]]:
+    """{file under flashattn/: (harmless, hazardous) loads without other=}, files that have any."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        split = undefined_lanes_that_escape(path.read_text(encoding="utf-8"))
+        if split[0] or split[1]:
+            out[path.relative_to(PACKAGE.parent).as_posix()] = split
+    return out
+
+
+def triton_documents_undefined() -> str:
+    """The sentence of the installed Triton's `tl.load` docstring on a masked-off lane without `other`."""
+    import triton
+    import triton.language as tl
+
+    sentence = next(s.strip() for s in tl.load.__doc__.split(".") if "other" in s and "undefined" in s)
+    return f"Triton {triton.__version__}: '{sentence}.'"
+
+
+def interpreter_fills_zeros() -> bool:
+    """What the interpreter does (observed in its source, not documented): `other` None becomes zeros."""
+    import inspect
+
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    src = inspect.getsource(InterpreterBuilder.create_masked_load)
+    return "if other is None" in src and "zeros_like" in src.split("if other is None", 1)[1].splitlines()[1]
+
+
+def without_other(source: str, function: str) -> str:
+    """`source` with the `other=` of the first masked tl.load in `function` removed (a mutation)."""
+    tree = ast.parse(source)
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function)
+    load = next(n for n in ast.walk(fn) if _is_tl(n, "load") and any(k.arg == "other" for k in n.keywords))
+    load.keywords = [k for k in load.keywords if k.arg != "other"]
+    return ast.unparse(tree)
 # --8<-- [end:hazard-d]
 # --8<-- [end:numeric]
 
@@ -399,8 +484,13 @@ def check() -> CheckResult:
     ledger.claim("d: the explicit row mask gives the exact answer whatever the LSE₂ lanes hold, while δ is finite",
                  lambda: all(close_to(dkdv_block(*with_garbage_stats(clean, g, np.float32(-7.0)), mask_rows=True),
                                       ref_dk, ref_dv) for g in GARBAGE))
-    ledger.claim("d: every masked tl.load in flashattn/backward.py gives other=",
-                 lambda: masked_loads_without_other(BACKWARD_SOURCE.read_text(encoding="utf-8")) == [])
+    loads = package_loads()
+    harmless = {f: len(h) for f, (h, _) in loads.items() if h}
+    ledger.claim("d: guaranteed: " + triton_documents_undefined() + " Observed, not guaranteed: the interpreter "
+                 "fills zeros (its create_masked_load)", interpreter_fills_zeros)
+    ledger.claim(f"d: every masked tl.load under flashattn/ gives other=, except {sum(harmless.values())} whose value "
+                 f"only reaches a tl.store under the same mask ({', '.join(f'{f}: {n}' for f, n in harmless.items())})",
+                 lambda: all(not hazardous for _, hazardous in loads.values()))
     # --8<-- [start:negative]
     ledger.control("a: padding keys with score 0 is not exact", lambda: not padding_is_exact(0, CASES_A)[0])
     ledger.control("a: '2^(−m) per pad' read in unshifted units is wrong whenever m ≠ 0",
@@ -412,14 +502,16 @@ def check() -> CheckResult:
     ledger.control("c: exp2 of unshifted scores in float16 overflows", lambda: not overflow_safe(shifted=False))
     ledger.control("c: masking P by multiplying with a 0/1 mask gives inf·0 = NaN",
                    lambda: bool(np.isnan(ds_row("multiply")).any()))
-    ledger.control("d: masked loads without other= are not zero-padded: garbage LSE₂ gives NaN dK/dV unmasked",
+    ledger.control(ZERO_PADDED_CONTROL,
                    lambda: all(not close_to(dkdv_block(*with_garbage_stats(clean, g), mask_rows=False), ref_dk, ref_dv)
                                for g in GARBAGE))
     ledger.control("d: 'the row mask alone makes loads without other= safe': a NaN δ lane gives 0·(0 − NaN) = NaN",
                    lambda: not close_to(dkdv_block(*with_garbage_stats(clean, np.float32(np.nan)), mask_rows=True),
                                         ref_dk, ref_dv))
-    ledger.control("d: the source check flags seed 004's two loads (mask=offs_m < SEQ, no other=)",
-                   lambda: len(masked_loads_without_other(SEED_004_LOAD)) == 2)
+    ledger.control("d: the source check is not blind: backward.py with the other= of _load_row_stats's first "
+                   "load removed (a mutation) is flagged as hazardous",
+                   lambda: len(undefined_lanes_that_escape(without_other(BACKWARD_SOURCE.read_text(encoding="utf-8"),
+                                                                          "_load_row_stats"))[1]) == 1)
     # --8<-- [end:negative]
     sizes = ("a: rows of 3–6 keys + 1–5 pads, blocks of 4; b: 8 keys, and 48 causal (N, M, block) cases; "
              "c: 4 keys; d: 5 real of 8 rows × 4 keys, d = 4")
