@@ -6,8 +6,8 @@ Writes next to the results file (or into ``--out``):
 
 * ``tflops_{fwd,bwd}_{dtype}.png`` -- TFLOP/s against N, one panel per head dim x mask (and the GQA
   row), one line per provider; a provider with no point at some N did not run there (the summary says why);
-* ``latency_{fwd,fwd_bwd}.png`` -- when the run has a latency section: µs per call against N, a panel
-  per head dim x mask x mode, a line per provider and B x H;
+* ``latency_{fwd,fwd_bwd}_{mode}.png`` -- when the run has a latency section: µs per call against N,
+  one figure per pass and mode, a panel per head dim x mask, a line per provider and B x H;
 * ``summary.md`` -- the run's GPU and versions, the correctness checks, ours / peer ratios per setting
   (with the issue's targets marked), every TFLOP/s figure, peak memory, the long-context check, and the
   per-call latency tables when the run measured them. A section the run did not measure is left out.
@@ -487,19 +487,37 @@ def _pyplot():
     return plt
 
 
+# Every plot is drawn at this size or larger, and sized so that the site's content column (about 688 px
+# wide) shows it at no less than 0.8 of its natural width: labels stay above 9 px on the page.
+FONT_PT = 10
+DPI = 100
+
+
+def _save(fig, path, plt) -> Path:
+    """Write a PNG whose metadata records its smallest text size in points and its resolution, so that
+    the site's browser test can work out how large the labels are where the page shows the image."""
+    fig.canvas.draw()
+    sizes = [t.get_fontsize() for t in fig.findobj(lambda a: hasattr(a, "get_fontsize") and hasattr(a, "get_text"))
+             if t.get_visible() and t.get_text().strip()]
+    fig.savefig(path, dpi=DPI, metadata={"Description": f"flashattn-figure: smallest-font-pt={min(sizes):g} dpi={DPI}"})
+    plt.close(fig)
+    return path
+
+
 def _legend(fig, axes, ncol=5):
     handles = {}
     for ax in axes.flat:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, h)
     fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(ncol, len(handles)),
-               fontsize=9, frameon=False)
+               fontsize=FONT_PT, frameon=False)
 
 
 def _length_ticks(ax, seqlens):
     ax.set_xscale("log", base=2)
     ax.set_xticks(seqlens, [f"{n // 1024}k" if n >= 1024 else str(n) for n in seqlens])
     ax.minorticks_off()
+    ax.tick_params(labelsize=FONT_PT)
 
 
 def plot_files(results, out_dir) -> list[Path]:
@@ -520,7 +538,7 @@ def plot_files(results, out_dir) -> list[Path]:
         rows = list(dict.fromkeys((g[1], g[3]) for g in groups if g[0] == dtype))  # (D, gqa)
         masks = sorted({g[2] for g in groups if g[0] == dtype})
         for p in ("fwd", "bwd"):
-            fig, axes = plt.subplots(len(rows), len(masks), figsize=(5.2 * len(masks), 3.4 * len(rows)),
+            fig, axes = plt.subplots(len(rows), len(masks), figsize=(4.3 * len(masks), 2.9 * len(rows) + 0.6),
                                      squeeze=False)
             for i, (d, gqa) in enumerate(rows):
                 for j, causal in enumerate(masks):
@@ -537,25 +555,24 @@ def plot_files(results, out_dir) -> list[Path]:
                         if pts:
                             ax.plot(*zip(*pts), label=results["providers"][prov]["label"], **styles[prov])
                     _length_ticks(ax, seqlens)
-                    ax.set_title(f"D = {d}, {_mask(causal)}" + (f", GQA {gqa}" if gqa else ""), fontsize=10)
+                    ax.set_title(f"D = {d}, {_mask(causal)}" + (f", GQA {gqa}" if gqa else ""), fontsize=FONT_PT)
                     ax.set_ylim(bottom=0)
                     ax.grid(True, alpha=0.3)
                     if j == 0:
-                        ax.set_ylabel("TFLOP/s")
-                    ax.set_xlabel("sequence length N (batch × N = {:,})".format(results["grid"]["tokens"]))
-            _legend(fig, axes)
-            fig.suptitle(f"{PASS_NAMES[p].capitalize()}, {dtype}, {gpu}", fontsize=11)
-            fig.tight_layout(rect=(0, 0.045 if len(rows) > 2 else 0.08, 1, 1))
-            path = out_dir / f"tflops_{p}_{dtype}.png"
-            fig.savefig(path, dpi=100)
-            plt.close(fig)
-            written.append(path)
+                        ax.set_ylabel("TFLOP/s", fontsize=FONT_PT)
+                    if i == len(rows) - 1 or (dtype, rows[i + 1][0], causal, rows[i + 1][1]) not in groups:
+                        ax.set_xlabel("sequence length N", fontsize=FONT_PT)
+            _legend(fig, axes, ncol=3)
+            fig.suptitle(f"{PASS_NAMES[p].capitalize()}, {dtype}, {gpu}; batch × N = {results['grid']['tokens']:,}",
+                         fontsize=FONT_PT + 1)
+            fig.tight_layout(rect=(0, (0.25 * -(-len(providers) // 3) + 0.1) / fig.get_figheight(), 1, 1))
+            written.append(_save(fig, out_dir / f"tflops_{p}_{dtype}.png", plt))
     return written
 
 
 def latency_plot_files(results, out_dir) -> list[Path]:
-    """One PNG per latency pass (and dtype, when several): µs per call against N, log scale; a panel per
-    head dim x mask (rows) and mode (columns); a colour per provider, solid for the smaller B x H."""
+    """One PNG per latency pass and mode (and dtype, when several): µs per call against N, log scale; a
+    panel per head dim (rows) x mask (columns); a colour per provider, solid for the smaller B x H."""
     if not results.get("latency") or not results["latency"]["records"]:
         return []
     plt = _pyplot()
@@ -566,7 +583,8 @@ def latency_plot_files(results, out_dir) -> list[Path]:
     modes = _latency_modes(results)
     labels = {p: results["providers"][p]["label"] for p in providers}
     dtypes = list(dict.fromkeys(k[0] for k in index))
-    rows = sorted({(k[1], k[2]) for k in index})
+    head_dims = sorted({k[1] for k in index})
+    masks = sorted({k[2] for k in index})
     bhs = sorted({k[4] for k in index})
     seqlens = sorted({k[3] for k in index})
     styles = ["-", "--", ":", "-."]
@@ -574,41 +592,44 @@ def latency_plot_files(results, out_dir) -> list[Path]:
     written = []
     for dtype in dtypes:
         for p in results_mod.LATENCY_PASSES:
-            if not any(k[0] == dtype and k[5] == p for k in index):
-                continue
-            fig, axes = plt.subplots(len(rows), len(modes), figsize=(4.6 * len(modes), 3.2 * len(rows)),
-                                     squeeze=False, sharey=True)
-            for i, (d, causal) in enumerate(rows):
-                for j, mode in enumerate(modes):
-                    ax = axes[i][j]
-                    for c, prov in enumerate(providers):
-                        for b, bh in enumerate(bhs):
-                            pts = []
-                            for n in seqlens:
-                                r = index.get((dtype, d, causal, n, bh, p), {}).get((prov, mode))
-                                if r is not None and r["status"] == "ok":
-                                    pts.append((n, r["us_per_call"]))
-                            if pts:
-                                ax.plot(*zip(*pts), marker="o", color=f"C{c}", linestyle=styles[b % len(styles)],
-                                        linewidth=2.5 if prov == OURS else 1.3,
-                                        label=f"{labels[prov]}, B × H = {bh}")
-                    _length_ticks(ax, seqlens)
-                    ax.set_yscale("log")
-                    ax.grid(True, which="both", alpha=0.3)
-                    ax.set_title(f"{mode}: D = {d}, {_mask(causal)}", fontsize=10)
-                    if j == 0:
-                        ax.set_ylabel("µs per call")
-                    if i == len(rows) - 1:
-                        ax.set_xlabel("sequence length N")
-            _legend(fig, axes, ncol=4)
-            fig.suptitle(f"Per-call latency, {LATENCY_PASS_NAMES[p]}, {dtype}, {gpu}", fontsize=11)
-            n_labels = len(providers) * len(bhs)
-            fig.tight_layout(rect=(0, min(0.3, 0.025 * (1 + n_labels // 4) * 4 / max(1, len(rows))), 1, 1))
-            suffix = f"_{dtype}" if len(dtypes) > 1 else ""
-            path = out_dir / f"latency_{p}{suffix}.png"
-            fig.savefig(path, dpi=100)
-            plt.close(fig)
-            written.append(path)
+            for mode in modes:
+                if not any(k[0] == dtype and k[5] == p and (prov, mode) in v for k, v in index.items()
+                           for prov in providers):
+                    continue
+                fig, axes = plt.subplots(len(head_dims), len(masks), squeeze=False, sharey=True,
+                                         figsize=(4.0 * len(masks) + 0.4, 2.8 * len(head_dims) + 1.4))
+                for i, d in enumerate(head_dims):
+                    for j, causal in enumerate(masks):
+                        ax = axes[i][j]
+                        for c, prov in enumerate(providers):
+                            for b, bh in enumerate(bhs):
+                                pts = []
+                                for n in seqlens:
+                                    r = index.get((dtype, d, causal, n, bh, p), {}).get((prov, mode))
+                                    if r is not None and r["status"] == "ok":
+                                        pts.append((n, r["us_per_call"]))
+                                if pts:
+                                    ax.plot(*zip(*pts), marker="o", color=f"C{c}", linestyle=styles[b % len(styles)],
+                                            linewidth=2.5 if prov == OURS else 1.3,
+                                            label=f"{labels[prov]}, B × H = {bh}")
+                        _length_ticks(ax, seqlens)
+                        ax.set_yscale("log")
+                        ax.yaxis.set_major_formatter("{x:g}")
+                        ax.yaxis.set_minor_formatter("{x:g}")
+                        ax.tick_params(which="both", labelsize=FONT_PT)
+                        ax.grid(True, which="both", alpha=0.3)
+                        ax.set_title(f"D = {d}, {_mask(causal)}", fontsize=FONT_PT)
+                        if j == 0:
+                            ax.set_ylabel("µs per call", fontsize=FONT_PT)
+                        if i == len(head_dims) - 1:
+                            ax.set_xlabel("sequence length N", fontsize=FONT_PT)
+                _legend(fig, axes, ncol=2)
+                fig.suptitle(f"Per-call latency, {LATENCY_PASS_NAMES[p]}, {mode}, {dtype}, {gpu}",
+                             fontsize=FONT_PT + 1)
+                n_legend_rows = -(-len({lab for ax in axes.flat for lab in ax.get_legend_handles_labels()[1]}) // 2)
+                fig.tight_layout(rect=(0, min(0.45, (0.25 * n_legend_rows + 0.1) / fig.get_figheight()), 1, 1))
+                suffix = f"_{dtype}" if len(dtypes) > 1 else ""
+                written.append(_save(fig, out_dir / f"latency_{p}_{mode}{suffix}.png", plt))
     return written
 
 

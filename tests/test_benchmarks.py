@@ -394,8 +394,8 @@ def test_run_main_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     assert {(r["provider"], r["mode"], r["pass"]) for r in lat} == {
         (p, "eager", q) for p in ("flashattn", "reference") for q in ("fwd", "fwd_bwd")}
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "latency_fwd.png", "latency_fwd_bwd.png", "results.json", "summary.md", "tflops_bwd_float32.png",
-        "tflops_fwd_float32.png"]
+        "latency_fwd_bwd_eager.png", "latency_fwd_eager.png", "results.json", "summary.md",
+        "tflops_bwd_float32.png", "tflops_fwd_float32.png"]
     printed = capsys.readouterr().out
     assert "vs reference" in printed  # the ratio table ends the grid's output
     summary = (tmp_path / "summary.md").read_text()
@@ -414,7 +414,7 @@ def test_run_latency_section_alone(tmp_path, monkeypatch):
     assert run.main(argv) == 0
     res = results.load(tmp_path / "results.json")
     assert res["grid"] is None and res["measurements"] == [] and len(res["latency"]["records"]) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latency_fwd.png", "results.json", "summary.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latency_fwd_eager.png", "results.json", "summary.md"]
     summary = (tmp_path / "summary.md").read_text()
     assert "### TFLOP/s" not in summary and "Per-call latency" in summary
 
@@ -754,7 +754,7 @@ def test_latency_table_marks_the_targets(tmp_path):
     rows = [line for line in table.splitlines() if line.startswith("| bfloat16 | 64 | non-causal | fwd |")]
     assert rows == ["| bfloat16 | 64 | non-causal | fwd | 1.50× ✓ | 1.40× | 1.25× | 1.20× ✗ (>1.1) |"]
     paths = report.write_all(res, tmp_path)
-    assert sorted(p.name for p in paths) == ["latency_fwd.png", "latency_fwd_bwd.png", "summary.md"]
+    assert sorted(p.name for p in paths) == sorted([f"latency_{q}_{m}.png" for q in ("fwd", "fwd_bwd") for m in latency.MODES] + ["summary.md"])
     summary = (tmp_path / "summary.md").read_text()
     assert "#### µs per call, reduce-overhead" in summary
     assert "| bfloat16 | 64 | causal | 512 | 16 | fwd_bwd | 24.0 (1.20×) | 20.0 |" in summary

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import matplotlib
+import matplotlib.text
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -47,9 +48,18 @@ plt.rcParams.update(
 )
 
 
+def smallest_font_pt(fig) -> float:
+    """The size of the smallest text the figure draws, in points."""
+    fig.canvas.draw()
+    return min(t.get_fontsize() for t in fig.findobj(matplotlib.text.Text) if t.get_visible() and t.get_text().strip())
+
+
 def _svg(fig) -> str:
+    # The SVG's user unit is the point (72 per inch): the site's browser test reads the smallest text
+    # size from the metadata and the natural width from the file, and works out the size on the page.
+    note = f"flashattn-figure: smallest-font-pt={smallest_font_pt(fig):g} dpi=72"
     buf = io.StringIO()
-    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
+    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None, "Description": note})
     plt.close(fig)
     return buf.getvalue()
 
@@ -65,7 +75,7 @@ def _grid_axes(ax, n, m, block_m, block_n, title):
     ax.set_aspect("equal")
     ax.set_xticks(range(0, m + 1, block_n))
     ax.set_yticks(range(0, n + 1, block_m))
-    ax.tick_params(labelsize=7)
+    ax.tick_params(labelsize=9)
     ax.set_xlabel("key index j")
     ax.set_ylabel("query index i")
     ax.set_title(title, fontsize=10)
@@ -97,17 +107,17 @@ def causal_schedule() -> str:
         (448, 256, "N = 448 > M = 256"),
         (300, 300, "N = M = 300 (ragged edge)"),
     ]
-    fig, axes = plt.subplots(1, 4, figsize=(15, 4.6))
-    for ax, (n, m, title) in zip(axes, cases):
+    fig, axes = plt.subplots(2, 2, figsize=(8, 8.4))
+    for ax, (n, m, title) in zip(axes.flat, cases):
         grid = schedule.block_grid(n, m, bm, bn, True)
         total = sum(len(r) for r in grid)
         full = sum(r.count(schedule.FULL) for r in grid)
         ran = total - sum(r.count(schedule.SKIPPED) for r in grid)
         _draw_schedule(ax, n, m, bm, bn, True, f"{title}\n{ran}/{total} tiles run, {full} unmasked")
     handles = [Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in COLORS]
-    fig.legend(handles, [LABELS[k] for k in COLORS], loc="lower center", ncol=3, frameon=False,
-               bbox_to_anchor=(0.5, -0.04))
-    fig.suptitle("Causal block schedule (64 × 64 tiles); dashed: the edge of the visible keys", y=1.08)
+    fig.suptitle("Causal block schedule (64 × 64 tiles); dashed: the edge of the visible keys")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.legend(handles, [LABELS[k] for k in COLORS], loc="lower center", ncol=2, frameon=False)
     return _svg(fig)
 
 
@@ -120,8 +130,8 @@ def window_schedule() -> str:
         (192, 576, True, (256, None), "N = 192 < M = 576, causal, left 256"),
         (300, 300, False, (100, 30), "N = M = 300, window (100, 30)"),
     ]
-    fig, axes = plt.subplots(1, 4, figsize=(15, 4.6))
-    for ax, (n, m, causal, window, title) in zip(axes, cases):
+    fig, axes = plt.subplots(2, 2, figsize=(8, 8.4))
+    for ax, (n, m, causal, window, title) in zip(axes.flat, cases):
         grid = schedule.block_grid(n, m, bm, bn, causal, window=window)
         total = sum(len(r) for r in grid)
         full = sum(r.count(schedule.FULL) for r in grid)
@@ -137,10 +147,10 @@ def window_schedule() -> str:
             ax.plot(i + (m - n) + right + 1, i, color="black", lw=1.2, ls="--")
     handles = [Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in COLORS]
     labels = {**LABELS, schedule.MASKED: "masked: a window edge or the ragged edge"}
-    fig.legend(handles, [labels[k] for k in COLORS], loc="lower center", ncol=3, frameon=False,
-               bbox_to_anchor=(0.5, -0.04))
-    fig.suptitle("Sliding-window block schedule (64 × 64 tiles); dotted: left edge, dashed: right edge "
-                 "(the causal diagonal when causal)", y=1.08)
+    fig.suptitle("Sliding-window block schedule (64 × 64 tiles)\ndotted: left edge; dashed: right edge "
+                 "(the causal diagonal when causal)")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.legend(handles, [labels[k] for k in COLORS], loc="lower center", ncol=2, frameon=False)
     return _svg(fig)
 
 
@@ -148,8 +158,9 @@ def tiling() -> str:
     """What one program walks: a query block's row (forward, dQ) and a key block's column (dK/dV)."""
     n = m = 512
     bm = bn = 64
-    fig, axes = plt.subplots(1, 3, figsize=(16.5, 5.2))
-    fig.subplots_adjust(wspace=0.4)
+    fig, grid = plt.subplots(2, 2, figsize=(8, 8.4))
+    axes = [grid[0][0], grid[0][1], grid[1][0]]
+    grid[1][1].axis("off")
 
     # Forward: one program per query block, walking along its row of key blocks.
     qb = 5
@@ -185,10 +196,10 @@ def tiling() -> str:
 
     # Ragged shapes: the last query block of N = 300 only has 300 - 256 rows.
     n2, m2 = 300, 300
-    _draw_schedule(axes[2], n2, m2, bm, bn, False, "non-causal, N = M = 300: ragged edge only")
+    _draw_schedule(axes[2], n2, m2, bm, bn, False, "non-causal, N = M = 300:\nragged edge only")
+    fig.tight_layout(w_pad=3)
     handles = [Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in COLORS]
-    fig.legend(handles, [LABELS[k] for k in COLORS], loc="lower center", ncol=3, frameon=False,
-               bbox_to_anchor=(0.5, -0.06))
+    grid[1][1].legend(handles, [LABELS[k] for k in COLORS], loc="center", frameon=False)
     return _svg(fig)
 
 
@@ -199,7 +210,9 @@ def pointer_offsets() -> str:
     block = 3
     offs_d = np.arange(d)
 
-    fig, axes = plt.subplots(1, 3, figsize=(12.5, 4.2), gridspec_kw={"width_ratios": [1, 1.6, 1]})
+    fig = plt.figure(figsize=(8, 8.8))
+    panels = fig.subplot_mosaic([["a", "c"], ["b", "b"]], height_ratios=[1.6, 1])
+    axes = [panels["a"], panels["b"], panels["c"]]
 
     # Panel 1: the whole matrix with the address of each element; a block of rows highlighted.
     ax = axes[0]
@@ -210,12 +223,12 @@ def pointer_offsets() -> str:
     ax.imshow(np.isin(addr, ptrs).astype(float), cmap=ListedColormap(["#f4f4f4", "#8ab6d6"]), vmin=0, vmax=1)
     for r in range(rows):
         for c in range(d):
-            ax.text(c, r, str(addr[r, c]), ha="center", va="center", fontsize=8)
+            ax.text(c, r, str(addr[r, c]), ha="center", va="center", fontsize=9)
     ax.set_xticks(range(d))
     ax.set_yticks(range(rows))
     ax.set_xlabel("column (d)")
     ax.set_ylabel("row")
-    ax.set_title("Q rows 2..4: offs_m[:, None]*stride + offs_d[None, :]", fontsize=8.5)
+    ax.set_title("Q rows 2..4:\noffs_m[:, None]*stride + offs_d[None, :]", fontsize=9)
 
     # Panel 2: the transposed load of K: rows of the tile are d, columns are keys.
     ax = axes[1]
@@ -224,12 +237,12 @@ def pointer_offsets() -> str:
     ax.imshow(np.zeros_like(ptrs_t, dtype=float), cmap=ListedColormap(["#fbe3c0"]))
     for r in range(ptrs_t.shape[0]):
         for c in range(ptrs_t.shape[1]):
-            ax.text(c, r, str(ptrs_t[r, c]), ha="center", va="center", fontsize=8)
+            ax.text(c, r, str(ptrs_t[r, c]), ha="center", va="center", fontsize=9)
     ax.set_xticks(range(len(offs_n)), [str(j) for j in offs_n])
     ax.set_yticks(range(d))
     ax.set_xlabel("key j")
     ax.set_ylabel("d")
-    ax.set_title("Kᵀ tile, keys 1..5: offs_d[:, None] + offs_n[None, :]*stride", fontsize=8.5)
+    ax.set_title("Kᵀ tile, keys 1..5: offs_d[:, None] + offs_n[None, :]*stride", fontsize=9)
 
     # Panel 3: moving the block: add block_n * stride to every pointer.
     ax = axes[2]
@@ -240,12 +253,12 @@ def pointer_offsets() -> str:
         for r in range(s, min(s + block, rows)):
             for c in range(d):
                 ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, facecolor=color, edgecolor="white"))
-                ax.text(c, r, str(r * stride_row + c), ha="center", va="center", fontsize=8)
-        ax.text(d - 0.4, s + 0.2, f"step {k}", fontsize=8, va="center")
+                ax.text(c, r, str(r * stride_row + c), ha="center", va="center", fontsize=9)
+        ax.text(d - 0.4, s + 0.2, f"step {k}", fontsize=9, va="center")
     ax.add_patch(Rectangle((-0.5, rows - 0.5), d, 1, facecolor="none", edgecolor="red", ls=":"))
     ax.set_xticks(range(d))
     ax.set_yticks(range(rows))
-    ax.set_title("moving block: ptrs += BLOCK * stride\n(rows past the end need a mask)", fontsize=8.5)
+    ax.set_title("moving block: ptrs += BLOCK * stride\n(rows past the end need a mask)", fontsize=9)
     ax.set_aspect("equal")
     fig.tight_layout()
     return _svg(fig)
@@ -262,7 +275,7 @@ def masking() -> str:
                 kinds[i, j] = 2  # out of range: padding rows/columns of a ragged tile
             elif not schedule.is_visible(i, j, n, m, True):
                 kinds[i, j] = 1  # in range, hidden by the causal mask
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.3, 1]})
+    fig, axes = plt.subplots(2, 1, figsize=(7.5, 9.4), gridspec_kw={"height_ratios": [1.3, 1]})
     ax = axes[0]
     cmap = ListedColormap(["#4c9f70", "#f2a541", "#c7c7c7"])
     ax.imshow(kinds, cmap=cmap, vmin=0, vmax=2, extent=(0, m_pad, n_pad, 0))
@@ -279,7 +292,7 @@ def masking() -> str:
     ax.set_title(f"N = {n}, M = {m}, causal, 4 × 4 tiles", fontsize=10)
     handles = [Rectangle((0, 0), 1, 1, color=c) for c in ("#4c9f70", "#f2a541", "#c7c7c7")]
     ax.legend(handles, ["visible", "causal: set to −∞", "out of range: keys −∞, rows not stored"],
-              loc="upper left", bbox_to_anchor=(0, -0.12), ncol=3, fontsize=8, frameon=False)
+              loc="upper left", bbox_to_anchor=(0, -0.1), ncol=2, fontsize=9, frameon=False)
 
     # One row whose real scores are all negative (base 2), and four padding keys.
     ax = axes[1]
@@ -295,7 +308,7 @@ def masking() -> str:
     ax.set_xticks(x, [f"k{j}" for j in range(len(s))] + ["pad"] * pad)
     ax.set_ylabel("softmax weight")
     ax.set_title("A row with negative scores: padded 0 becomes the max", fontsize=10)
-    ax.legend(fontsize=8, frameon=False)
+    ax.legend(fontsize=9, frameon=False)
     fig.tight_layout()
     return _svg(fig)
 
@@ -310,7 +323,7 @@ def dataflow() -> str:
     kernels = [*cm.FORWARD, *cm.BACKWARD_TWO_KERNELS]
     products = cm.kernel_products()
     names = ["forward", "dK, dV", "dQ"]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 4.6))
+    fig, axes = plt.subplots(3, 1, figsize=(7.5, 12))
     number = 0
     for ax, kernel, name in zip(axes, kernels, names):
         if name == "dK, dV":
@@ -321,11 +334,11 @@ def dataflow() -> str:
         ax.axis("off")
         ax.set_title(f"{name} kernel: {len(products[name])} tl.dot per tile in the source", fontsize=10)
         ax.add_patch(Rectangle((0.1, -len(steps) - 0.5), 2.2, len(steps) + 1.2, color="#dde6f5"))
-        ax.text(1.2, 0.45, "HBM reads", ha="center", fontsize=8, weight="bold")
+        ax.text(1.2, 0.45, "HBM reads", ha="center", fontsize=9, weight="bold")
         for r, t in enumerate(kernel.loads):
             ax.text(1.2, -0.3 - r * 0.75, t, ha="center", va="center", fontsize=9)
         ax.add_patch(Rectangle((2.8, -len(steps) - 0.5), 4.4, len(steps) + 1.2, color="#f3efe0"))
-        ax.text(5.0, 0.45, "on chip, per tile (fp32)", ha="center", fontsize=8, weight="bold")
+        ax.text(5.0, 0.45, "on chip, per tile (fp32)", ha="center", fontsize=9, weight="bold")
         for r, step in enumerate(steps):
             y = -0.3 - r
             if isinstance(step, cm.MatMul):
@@ -339,7 +352,7 @@ def dataflow() -> str:
             ax.text(3.0, y, label, va="center", fontsize=9, color=color,
                     weight="bold" if isinstance(step, cm.MatMul) else "normal")
         ax.add_patch(Rectangle((7.7, -len(steps) - 0.5), 2.2, len(steps) + 1.2, color="#dde6f5"))
-        ax.text(8.8, 0.45, "HBM writes", ha="center", fontsize=8, weight="bold")
+        ax.text(8.8, 0.45, "HBM writes", ha="center", fontsize=9, weight="bold")
         for r, t in enumerate(kernel.outputs):
             ax.text(8.8, -0.3 - r * 0.75, t, ha="center", va="center", fontsize=9)
         for x0, x1 in ((2.3, 2.8), (7.2, 7.7)):
@@ -368,16 +381,16 @@ def online_rescaling() -> str:
         ms.append(m_new)
         alphas.append(2.0 ** (m_old - m_new))
         pivot_free.append(state[1] * 2.0 ** state[0])
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7.5, 6.8))
     ax1.bar(range(len(scores)), scores, color=["#9db4d9" if (k // block) % 2 else "#4c72b0" for k in range(len(scores))])
     low = float(scores.min()) - 1.0
     for b, m in enumerate(ms):
         ax1.hlines(m, b * block - 0.5, b * block + block - 0.5, colors="#c44e52", linewidth=2,
                    label="running max m" if b == 0 else None)
-        ax1.text(b * block + block / 2 - 0.5, low, f"α = {alphas[b]:.2g}", fontsize=8, ha="center",
+        ax1.text(b * block + block / 2 - 0.5, low, f"α = {alphas[b]:.2g}", fontsize=9, ha="center",
                  color="#c44e52")
     ax1.set_ylim(low - 1.0, float(scores.max()) + 1.0)
-    ax1.legend(fontsize=8, frameon=False, loc="upper left")
+    ax1.legend(fontsize=9, frameon=False, loc="upper left")
     ax1.set_xlabel("key j (blocks of 8)")
     ax1.set_ylabel("base-2 score s_j")
     ax1.set_title("Running max: α rescales the old state when m grows", fontsize=10)
@@ -388,7 +401,7 @@ def online_rescaling() -> str:
     ax2.set_xlabel("blocks folded in")
     ax2.set_yscale("log")
     ax2.set_title("The pivot-free sum only grows, and ends exact", fontsize=10)
-    ax2.legend(fontsize=8, frameon=False)
+    ax2.legend(fontsize=9, frameon=False)
     fig.tight_layout()
     return _svg(fig)
 
@@ -402,30 +415,30 @@ def packing() -> str:
         cu.append(cu[-1] + n)
     programs = schedule.packed_programs(cu, cu, block)
     palette = ["#4c9f70", "#f2a541", "#5b8bd0", "#c4577a", "#8e6cc0"]
-    fig, ax = plt.subplots(figsize=(12, 3.4))
+    fig, ax = plt.subplots(figsize=(8.3, 3.6))
     total = cu[-1]
     # top row: the packed query rows, coloured by sequence
     for s, n in enumerate(lengths):
         if n:
             ax.add_patch(Rectangle((cu[s], 2.2), n, 0.8, facecolor=palette[s], edgecolor="white", lw=1.5))
-            ax.text(cu[s] + n / 2, 2.6, f"seq {s}: {n} rows", ha="center", va="center", fontsize=8)
-    ax.text(cu[2], 3.15, "seq 1: 0 rows (no tile)", ha="center", fontsize=8, color="#555555")
+            ax.text(cu[s] + n / 2, 2.6, f"seq {s}: {n} rows", ha="center", va="center", fontsize=9)
+    ax.text(cu[2], 3.15, "seq 1: 0 rows (no tile)", ha="center", fontsize=9, color="#555555")
     # bottom row: one box per program, at the rows its tile covers; spare programs greyed at the end
     spare = 0
     for pid, work in enumerate(programs):
         if work is None:
             x = total + 12 + spare * 22
             ax.add_patch(Rectangle((x, 0.2), 18, 0.8, facecolor=COLORS[schedule.SKIPPED], edgecolor="#999999", lw=0.8))
-            ax.text(x + 9, 0.6, f"p{pid}", ha="center", va="center", fontsize=7, color="#777777")
+            ax.text(x + 9, 0.6, f"p{pid}", ha="center", va="center", fontsize=9, color="#777777")
             spare += 1
             continue
         seq, start, q_start, _, n, _ = work
         x, w = q_start + start, min(block, n - start)
         ax.add_patch(Rectangle((x, 0.2), w, 0.8, facecolor=palette[seq], alpha=0.55, edgecolor="black", lw=0.8))
-        ax.text(x + w / 2, 0.6, f"p{pid}", ha="center", va="center", fontsize=7)
+        ax.text(x + w / 2, 0.6, f"p{pid}", ha="center", va="center", fontsize=9)
         ax.add_patch(FancyArrowPatch((x + w / 2, 1.05), (x + w / 2, 2.15), arrowstyle="-|>", mutation_scale=7,
                                      color="#777777", lw=0.6))
-    ax.text(total + 12 + spare * 11, 1.25, "spare programs: stop at once", ha="center", fontsize=8, color="#555555")
+    ax.text(total + 12 + spare * 11, 1.25, "spare programs: stop at once", ha="center", fontsize=9, color="#555555")
     ax.set_xlim(-5, total + 12 + spare * 22 + 10)
     ax.set_ylim(0, 3.5)
     ax.set_yticks([0.6, 2.6], ["programs\n(one head)", "packed rows"])
@@ -433,7 +446,7 @@ def packing() -> str:
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
     working = sum(p is not None for p in programs)
-    ax.set_title(f"BLOCK_M = {block}: {len(programs)} programs = cdiv({total}, {block}) + {len(lengths)} sequences; "
+    ax.set_title(f"BLOCK_M = {block}: {len(programs)} programs = cdiv({total}, {block}) + {len(lengths)} sequences;\n"
                  f"{working} take a tile, {len(programs) - working} are spare", fontsize=10)
     return _svg(fig)
 
@@ -503,19 +516,27 @@ def warpgroup_timeline() -> str:
     names = {"tma": "producer warp: TMA loads", "alu0": "consumer 0: exp2, dSᵀ",
              "tc": "tensor cores (wgmma)", "alu1": "consumer 1: exp2, dSᵀ"}
     colors = {"producer": "#9bb7d4", 0: "#4c9f70", 1: "#f2a541"}
-    fig, ax = plt.subplots(figsize=(12, 3.2))
-    for n, u, o, s, _, t0, t1 in schedule_:
-        y = rows[u]
-        ax.add_patch(Rectangle((t0, y + 0.12), t1 - t0, 0.76, facecolor=colors[o], edgecolor="white"))
-        ax.text((t0 + t1) / 2, y + 0.5, f"{n}{s}", ha="center", va="center", fontsize=7)
-    ax.set_yticks([r + 0.5 for r in rows.values()], [names[u] for u in rows])
-    ax.set_ylim(0, 4)
-    ax.set_xlim(0, max(t1 for *_, t1 in schedule_) + 0.2)
-    ax.set_xlabel("time (units: one wgmma of a 64 x 64 x 128 product)")
-    ax.set_title(f"dK/dV kernel, {steps} query blocks per consumer (STAGES = {hb.STAGES}, "
-                 f"OVERLAP = {hb.OVERLAP}): green consumer 0, orange consumer 1", fontsize=10)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
+    # The run is cut in two halves drawn one above the other, so that a short operation is wide
+    # enough for its label at the width of the page.
+    end = max(t1 for *_, t1 in schedule_) + 0.2
+    fig, axes = plt.subplots(2, 1, figsize=(8.3, 6.4))
+    for ax, (lo, hi) in zip(axes, ((0, end / 2), (end / 2, end))):
+        for n, u, o, s, _, t0, t1 in schedule_:
+            y = rows[u]
+            ax.add_patch(Rectangle((t0, y + 0.12), t1 - t0, 0.76, facecolor=colors[o], edgecolor="white"))
+            mid = (t0 + t1) / 2
+            if lo <= mid < hi:
+                ax.text(mid, y + 0.5, f"{n}{s}", ha="center", va="center", fontsize=9,
+                        rotation=0 if t1 - t0 > 0.9 else 90)
+        ax.set_yticks([r + 0.5 for r in rows.values()], [names[u] for u in rows])
+        ax.set_ylim(0, 4)
+        ax.set_xlim(lo, hi)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    axes[1].set_xlabel("time (units: one wgmma of a 64 x 64 x 128 product)")
+    axes[0].set_title(f"dK/dV kernel, {steps} query blocks per consumer (STAGES = {hb.STAGES}, "
+                      f"OVERLAP = {hb.OVERLAP}):\ngreen consumer 0, orange consumer 1; the run continues below",
+                      fontsize=10)
     fig.tight_layout()
     return _svg(fig)
 
@@ -530,20 +551,21 @@ def persistent_walk() -> str:
     section = section_default(heads, n, ctas)
     panels = ((False, False, "no mask, static"), (True, False, "causal, static"),
               (True, True, f"causal, dynamic (sections of {section} head{'s' if section > 1 else ''})"))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 3.2), sharey=True)
+    fig, axes = plt.subplots(3, 1, figsize=(7.5, 8.4), sharey=True)
     for ax, (causal, dynamic, label) in zip(axes, panels):
         work = walk_work(heads, n, n, ctas, causal, dynamic=dynamic, section=section)
         mean = sum(work) / len(work)
         ax.bar(range(ctas), work, width=1.0, color=COLORS[schedule.MASKED if causal else schedule.FULL])
         ax.axhline(mean, color="black", linewidth=1, linestyle="--")
-        ax.text(ctas - 1, mean, f"mean {mean:.0f}", ha="right", va="bottom", fontsize=8)
-        ax.set_title(f"{label}: busiest CTA {max(work)},\n{max(work) / mean:.2f} x the mean", fontsize=10)
+        ax.text(ctas - 1, mean, f"mean {mean:.0f}", ha="right", va="bottom", fontsize=9)
+        ax.set_title(f"{label}: busiest CTA {max(work)}, {max(work) / mean:.2f} x the mean", fontsize=10)
         ax.set_xlabel("CTA (one per SM)")
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
-    axes[0].set_ylabel("key blocks walked")
-    fig.suptitle(f"Persistent walks of the forward's query blocks: B x H = {heads}, N = M = {n}, "
-                 f"128 x 128 tiles, {ctas} CTAs; static: blocks p, p + {ctas}, ...; dynamic: the next block "
+    for ax in axes:
+        ax.set_ylabel("key blocks walked")
+    fig.suptitle(f"Persistent walks of the forward's query blocks: B x H = {heads}, N = M = {n},\n"
+                 f"128 x 128 tiles, {ctas} CTAs; static: blocks p, p + {ctas}, ...;\ndynamic: the next block "
                  f"to the CTA free first", fontsize=10)
     fig.tight_layout()
     return _svg(fig)
