@@ -18,7 +18,14 @@ and non-causal agree; for 16 queries bottom-right causal would hide 15 diagonal 
 * ``sdpa_flash``, ``sdpa_cudnn``: ``scaled_dot_product_attention`` under ``sdpa_kernel`` of one
   backend, with ``enable_gqa=True`` (K/V not repeated); if the backend refuses GQA, K/V repeated to
   32 heads *outside* the timed call (recorded as ``gqa = "repeated"``, and it reads 4x the bytes);
-* ``flex``: ``flex_attention`` compiled (``torch.compile(dynamic=False)``), ``enable_gqa=True``.
+* ``flex``: ``flex_attention`` compiled (``torch.compile(dynamic=False)``), ``enable_gqa=True``;
+* ``flashattn_dense``: ``flashattn.attention`` on the (B, H, L, D) views, the dense entry point as
+  transformers' ``generate()`` calls it; it hands few queries against many keys to the split-KV
+  kernels (:attr:`flashattn.problem.Problem.split_kv`);
+* ``sdpa_efficient``: the memory-efficient SDPA backend, like the other two.
+
+``--heads 32:8`` sets the query and K/V heads and ``--dtype`` the dtype (defaults: 32:8, bfloat16);
+``--name`` names the output files (``DIR/NAME.json``, ``DIR/NAME.md``).
 
 Timing, two modes per provider: ``eager`` is ``triton.testing.do_bench`` of the call (median; the L2
 cache is flushed before every call), so a call's host work counts whenever it is longer than its
@@ -53,6 +60,7 @@ QUERIES = (1, 16)
 MODES = ("eager", "graph")
 CHECKED_SEQUENCES = 2  # the float64 reference of a whole 64 x 128k cache would not fit
 PROVIDERS = ("flashattn", "flashattn_int", "sdpa_flash", "sdpa_cudnn", "flex")
+OPTIONAL = ("flashattn_dense", "sdpa_efficient")  # asked for by name (--providers)
 
 
 def _bench(fn) -> float:
@@ -83,12 +91,12 @@ def _graph_bench(fn) -> float:
     return _bench(graph.replay)
 
 
-def make_inputs(batch, m, n_q, device, seed=0):
+def make_inputs(batch, m, n_q, device, seed=0, heads=(H_Q, H_KV), dtype=DTYPE):
     gen = torch.Generator(device=device).manual_seed(seed)
-    B = batch
-    q = torch.randn(B, n_q, H_Q, D, dtype=DTYPE, device=device, generator=gen)
-    k_cache = torch.randn(B, m, H_KV, D, dtype=DTYPE, device=device, generator=gen)
-    v_cache = torch.randn(B, m, H_KV, D, dtype=DTYPE, device=device, generator=gen)
+    B, (h_q, h_kv) = batch, heads
+    q = torch.randn(B, n_q, h_q, D, dtype=dtype, device=device, generator=gen)
+    k_cache = torch.randn(B, m, h_kv, D, dtype=dtype, device=device, generator=gen)
+    v_cache = torch.randn(B, m, h_kv, D, dtype=dtype, device=device, generator=gen)
     return q, k_cache, v_cache
 
 
@@ -104,6 +112,11 @@ def prepare(name, q, k_cache, v_cache):
         return (lambda: attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=False),
                 {"gqa": "packed", "layout": "(B, M, Hkv, D)"})
     qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # (B, H, L, D) views
+    if name == "flashattn_dense":
+        import flashattn
+
+        return (lambda: flashattn.attention(qt, kt, vt).transpose(1, 2),
+                {"gqa": "packed", "layout": "(B, Hkv, M, D) view"})
     if name == "flex":
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -113,10 +126,11 @@ def prepare(name, q, k_cache, v_cache):
                 {"gqa": "enable_gqa", "layout": "(B, Hkv, M, D) view"})
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[name]
+    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+               "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
     attempts = [("enable_gqa", "(B, Hkv, M, D) view", kt, vt, True),
                 ("enable_gqa", "(B, Hkv, M, D) contiguous", kt.contiguous(), vt.contiguous(), True)]
-    group = H_Q // H_KV
+    group = q.shape[2] // k_cache.shape[2]
     attempts.append(("repeated", "(B, Hq, M, D) contiguous", kt.repeat_interleave(group, 1).contiguous(),
                      vt.repeat_interleave(group, 1).contiguous(), False))
     errors = []
@@ -147,13 +161,13 @@ def check(o, q, k_cache, v_cache) -> dict:
     return {"rel_err": err, "torch_bf16_rel_err": base, "passed": bool(err <= 2.0 * base + 1e-5)}
 
 
-def run(batches, seqlens, queries, providers, device, modes=MODES) -> dict:
+def run(batches, seqlens, queries, providers, device, modes=MODES, heads=(H_Q, H_KV), dtype=DTYPE) -> dict:
     bw_copy = copy_bandwidth(device)
     rows = []
     for batch in batches:
         for m in seqlens:
             for n_q in queries:
-                q, k_cache, v_cache = make_inputs(batch, m, n_q, device)
+                q, k_cache, v_cache = make_inputs(batch, m, n_q, device, heads=heads, dtype=dtype)
                 kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
                 for name in providers:
                     row = {"B": batch, "M": m, "Nq": n_q, "provider": name}
@@ -180,7 +194,8 @@ def run(batches, seqlens, queries, providers, device, modes=MODES) -> dict:
     import triton
 
     return {
-        "what": f"decoding against a full KV cache, non-causal, Hq={H_Q}, Hkv={H_KV}, D={D}, bfloat16",
+        "what": f"decoding against a full KV cache, non-causal, Hq={heads[0]}, Hkv={heads[1]}, D={D}, "
+                f"{str(dtype).removeprefix('torch.')}",
         "device": torch.cuda.get_device_name(device),
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
                      "cuda": torch.version.cuda, "flashattn_sources_sha256": package_sources_sha256()},
@@ -218,10 +233,12 @@ def markdown(result: dict) -> str:
                     return "error" if p in cell else "-"
                 return f"{us:.0f}" + ("" if cell[p]["check"]["passed"] else " (WRONG)")
 
-            ours = _us(cell.get("flashattn"), mode)
+            mine = "flashattn" if "flashattn" in cell else next((p for p in providers if p.startswith("flashattn")
+                                                                 and p in cell), None)
+            ours = _us(cell.get(mine), mode)
             best = min((u for u in (_us(cell.get(p), mode) for p in peers) if u is not None), default=math.nan)
             speedup = best / ours if ours else math.nan
-            frac = 100 * cell["flashattn"][mode]["copy_fraction"] if ours else math.nan
+            frac = 100 * cell[mine][mode]["copy_fraction"] if ours else math.nan
             lines.append(f"| {b} | {m} | {n_q} | " + " | ".join(show(p) for p in providers)
                          + f" | {speedup:.2f}x | {frac:.0f}% |")
         lines.append("")
@@ -238,17 +255,21 @@ def main(argv=None) -> int:
     parser.add_argument("--queries", default=",".join(map(str, QUERIES)))
     parser.add_argument("--providers", default=",".join(PROVIDERS))
     parser.add_argument("--modes", default=",".join(MODES), help="subset of %(default)s")
+    parser.add_argument("--heads", default=f"{H_Q}:{H_KV}", help="query heads : K/V heads")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--name", default="decode", help="the output files' name")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.decode needs a CUDA GPU", file=sys.stderr)
         return 2
     t0 = time.monotonic()
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    heads = tuple(int(h) for h in args.heads.split(":"))
     result = run(ints(args.batches), ints(args.seqlens), ints(args.queries), args.providers.split(","),
-                 torch.device("cuda"), modes=args.modes.split(","))
+                 torch.device("cuda"), modes=args.modes.split(","), heads=heads, dtype=getattr(torch, args.dtype))
     result["wall_s"] = round(time.monotonic() - t0, 1)
     table = markdown(result)
-    json_path, md_path = results_mod.save_table(args.out, "decode", result, table)
+    json_path, md_path = results_mod.save_table(args.out, args.name, result, table)
     print(table)
     print(f"wrote {json_path} and {md_path} in {result['wall_s']} s")
     return 0

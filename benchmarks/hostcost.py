@@ -5,7 +5,7 @@
 A short eager call is bound by the host (docs/benchmarks.md, the latency section), and much of that
 host time is this package's Python: argument checks, the problem description, the config lookup,
 output allocation, descriptors, the compiled-kernel cache key, or for a repeated call the replay of
-its recipe (flashattn._triton.Recipe). That part runs the same on any machine, so it can be measured
+its recipe (flashattn.launch.Recipe). That part runs the same on any machine, so it can be measured
 and cut without a GPU. This tool runs the real eager path (``flashattn.attention`` and its autograd
 backward) on float16 CPU tensors, routed to the Triton launchers as CUDA tensors are; every kernel
 counts as compiled and launches through the package's direct launch, whose two C calls (the
@@ -53,11 +53,11 @@ class _NoLaunch:
         return ("tma", *args)
 
     def direct(self, kernel):
-        """A direct launch of ``kernel`` (flashattn._triton._DirectLaunch) whose C calls are this
+        """A direct launch of ``kernel`` (flashattn.launch._DirectLaunch) whose C calls are this
         stand-in's: descriptors at the kernel's ``*_desc`` parameters, each filled by :meth:`fill`."""
         import triton
 
-        from flashattn import _triton
+        from flashattn import launch as _triton
 
         d = object.__new__(_triton._DirectLaunch)
         d.c_launch, d.fill, d.function, d.metadata, d.flags = self, self.fill, None, None, (False, False)
@@ -106,7 +106,7 @@ def replayed_and_full(run, first: tuple, later: tuple, inputs: tuple, before_lat
     compiled-kernel cache keys the later call made (``"keys"``: none when it replayed) and the
     recipes kept (``"kept"``). ``before_later`` runs between the two calls (with the capture on);
     ``second_stream`` is :func:`launches_disabled`'s."""
-    from flashattn import _triton
+    from flashattn import launch as _triton
 
     keys, signature = [], _triton._signature
     out, raw = {}, {}
@@ -154,8 +154,10 @@ def launches_disabled(capture: bool = False, replay: bool = True, second_stream:
     stand-ins (:class:`_Stream`: the current one has handle 0); with ``second_stream`` every
     backward runs dQ on a second one (handle 1), as large problems on a GPU do. Refuses to run
     under TRITON_INTERPRET (the interpreter never takes the compiled-kernel path this replaces)."""
-    from flashattn import _config, _triton, ops
+    from flashattn import _config, api, decode, tensors, varlen
+    from flashattn import launch as _triton
     from flashattn import backward as bwd_mod, forward as fwd_mod
+    from flashattn.autograd import KERNEL_DTYPES
 
     if _config.is_interpreter():
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter does not use the compiled-kernel path")
@@ -185,28 +187,32 @@ def launches_disabled(capture: bool = False, replay: bool = True, second_stream:
         finally:
             current.pop()
 
-    saved = dict(compiled=_triton._COMPILED, device=_triton._current_device, use=ops.use_kernels,
+    users = (api, decode, varlen)  # the entry points that ask whether the kernels run
+    saved = dict(compiled=_triton._COMPILED, device=_triton._current_device, use=[m.use_kernels for m in users],
                  stream=_triton._stream, recipes=_triton._RECIPES, interpreted=_triton._interpreted,
                  current_stream=_triton._current_stream, stream_context=_triton._stream_context,
                  second_stream=bwd_mod._second_stream)
     _triton._COMPILED, _triton._RECIPES = Compiled(), ({} if replay else Forgetful())
     _triton._interpreted = lambda kernel: False  # kernels jitted under the interpreter (the tests') count as compiled
-    _triton._current_device = lambda: 0
+    _triton._current_device = tensors._current_device = lambda: 0
     _triton._stream = lambda device: current[-1].cuda_stream
     _triton._current_stream = lambda device: current[-1]
     _triton._stream_context = stream_context
     if second_stream:
         bwd_mod._second_stream = lambda q, problem: side
-    ops.use_kernels = lambda q: q.dtype in ops.KERNEL_DTYPES
+    for m in users:
+        m.use_kernels = lambda q: q.dtype in KERNEL_DTYPES
     try:
         yield fake
     finally:
         _triton._COMPILED, _triton._RECIPES = saved["compiled"], saved["recipes"]
         _triton._current_device, _triton._stream = saved["device"], saved["stream"]
+        tensors._current_device = saved["device"]
         _triton._current_stream, _triton._stream_context = saved["current_stream"], saved["stream_context"]
         bwd_mod._second_stream = saved["second_stream"]
         _triton._interpreted = saved["interpreted"]
-        ops.use_kernels = saved["use"]
+        for m, use in zip(users, saved["use"]):
+            m.use_kernels = use
 
 
 def _median_us(fn, calls: int, repeats: int = 5) -> float:
@@ -225,8 +231,8 @@ def measure(b=1, h=16, n=512, d=64, causal=True, calls=2000, replay=True) -> dic
     """µs per call of the four paths in the module doc, and the no-op launches each made; with
     ``replay`` off every launcher call takes the full path (no recipe is kept)."""
     import flashattn
-    from flashattn.backward import attention_backward
-    from flashattn.forward import attention_forward
+    from flashattn.backward import launch_backward as attention_backward
+    from flashattn.forward import launch_forward as attention_forward
     from flashattn.problem import Problem
 
     q, k, v = (torch.randn(b, h, n, d, dtype=torch.float16, requires_grad=True) for _ in range(3))

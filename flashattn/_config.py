@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashattn import schedule
-from flashattn._memo import remember
+from flashattn._memo import remember, table
 from flashattn.problem import Problem
 
 
@@ -237,7 +237,7 @@ def tuning(*, fwd: KernelConfig | None = None, bwd_dkdv: KernelConfig | None = N
 GLUON_HEAD_DIMS = {"fwd": (128, 256), "bwd_dkdv": (128,), "bwd_dq": (128, 256)}
 # B * Hq * N * M * D below which the portable kernels run, per (kernel, head dim): (without a mask,
 # causal). Measured on an H200 (bf16, Gluon and portable in turns, tuning log "The Gluon bar, again")
-# once repeated calls replayed Gluon launches too (flashattn._triton.Recipe), by two yardsticks: GPU
+# once repeated calls replayed Gluon launches too (flashattn.launch.Recipe), by two yardsticks: GPU
 # time per pass (CUDA graphs) and the eager call's wall time, host included. A bar is where Gluon
 # wins the first without losing the second. Gluon over portable GPU time: the D = 128 forward
 # 0.58-1.01x from 2^31 up (0.94-1.19x below, where the portable kernel takes its small-grid tile);
@@ -260,15 +260,15 @@ GLUON_MIN_WORK = {
     ("bwd_dq", 128): (2**33, 2**34),
     ("bwd_dq", 256): (2**32, 2**34),
 }
-_GLUON: dict = {}  # (kernel, problem, device index) -> whether the Gluon kernel runs it
+_GLUON = table("config.gluon")  # (kernel, problem, device index) -> whether the Gluon kernel runs it
 
 
 def gluon_kernel(kernel: str, problem: Problem, device: torch.device) -> bool:
     """Whether the Hopper kernel in Gluon runs ``kernel`` ("fwd", "bwd_dkdv" or "bwd_dq") for ``problem``.
 
     Only plain attention (no variant, no packing) with a positive scale, at a head dim of
-    :data:`GLUON_HEAD_DIMS`, with at least the work of :data:`GLUON_MIN_WORK`, on an sm_90 GPU whose Triton is 3.6
-    (the Gluon the kernels are written for), and never when a :func:`tuning` pins this kernel's tile
+    :data:`GLUON_HEAD_DIMS`, with at least the work of :data:`GLUON_MIN_WORK`, on an sm_90 GPU (the launchers also ask
+    whether this Triton builds the Gluon kernel), and never when a :func:`tuning` pins this kernel's tile
     or turns Gluon off. The answer is kept per problem and device."""
     t = _TUNING.get()
     if not t.gluon or kernel in t.configs or device.type != "cuda":
@@ -281,17 +281,8 @@ def gluon_kernel(kernel: str, problem: Problem, device: torch.device) -> bool:
             kernel in GLUON_HEAD_DIMS and p.head_dim in GLUON_HEAD_DIMS[kernel] and not is_interpreter()
             and not (p.varlen or p.window is not None or p.softcap or p.alibi or p.dropout_p) and p.scale > 0
             and p.batch * p.heads_q * p.n * p.m * p.head_dim >= GLUON_MIN_WORK[(kernel, p.head_dim)][int(p.causal)]
-            and _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
-            and _gluon_available(kernel)))
+            and _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)))
     return found
-
-
-@functools.lru_cache(maxsize=None)
-def _gluon_available(kernel: str) -> bool:
-    import importlib  # the kernel modules import Gluon only when asked to build
-
-    module = importlib.import_module("flashattn.hopper_fwd" if kernel == "fwd" else "flashattn.hopper_bwd")
-    return module.dq_available() if kernel == "bwd_dq" else module.available()
 # --8<-- [end:gluon-dispatch]
 
 
@@ -389,7 +380,7 @@ def tuning_space(kernel: str, problem: Problem, device: torch.device) -> list[Ke
     return unique[:11]
 
 
-_TUNED: dict = {}  # autotuning results: (kernel, device, problem) -> the fastest config measured
+_TUNED = table("config.tuned")  # autotuning results: (kernel, device, problem) -> the fastest config measured
 
 
 def choose(kernel: str, problem: Problem, device: torch.device, launch) -> KernelConfig:
@@ -445,10 +436,7 @@ def plan_for(kernel: str, problem: Problem, device: torch.device, cfg: KernelCon
     """The :class:`Plan` of ``kernel`` for ``problem`` with the configuration ``cfg``."""
     n_blocks, heads = _blocks_and_heads(kernel, problem, cfg)
     constexprs = dict(CAUSAL=problem.causal, HEAD_DIM=problem.head_dim, BLOCK_D=problem.block_d,
-                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      # the variants (flashattn._triton.variant_constexprs), all False for plain attention
-                      HAS_WINDOW=problem.window is not None, SOFTCAP=problem.softcap > 0,
-                      ALIBI=problem.alibi, DROPOUT=problem.dropout_p > 0, VARLEN=problem.varlen)
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **problem.variant_constexprs)
     passes = (constexprs,)
     if kernel == "bwd_dq":
         # the preprocess's row statistics computed in the dQ kernel (flashattn.backward.attention_backward
@@ -469,7 +457,7 @@ def plan_for(kernel: str, problem: Problem, device: torch.device, cfg: KernelCon
     return Plan(cfg, n_blocks, n_blocks * problem.batch * heads, group, constexprs, cfg.options(), passes)
 
 
-_PLANS: dict = {}  # (kernel, problem, device index) -> Plan, for calls with the default tuning
+_PLANS = table("config.plans")  # (kernel, problem, device index) -> Plan, for calls with the default tuning
 
 
 def plan(kernel: str, problem: Problem, device: torch.device, launch) -> Plan:

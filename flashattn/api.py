@@ -11,10 +11,9 @@ import numbers
 
 import torch
 
-from flashattn import ops
-from flashattn._memo import remember
-from flashattn.autograd import AttentionFunction, attention_apply
-from flashattn.ops import KERNEL_DTYPES
+from flashattn import custom_ops  # noqa: F401  (registers torch.ops.flashattn.*, which compiled calls reach)
+from flashattn._memo import remember, table
+from flashattn.autograd import KERNEL_DTYPES, AttentionFunction, attention_apply, use_kernels
 from flashattn.problem import Problem
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -175,7 +174,7 @@ def _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slope
     return _check_variants(q, window, softcap, alibi_slopes, dropout_p)
 
 
-_DESCRIBED: dict = {}  # the signature of a call that passed the checks -> its Problem
+_DESCRIBED = table("api.described")  # the signature of a call that passed the checks -> its Problem
 
 
 def _signature(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p):
@@ -303,7 +302,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     run the tile-by-tile PyTorch reference, or the same Triton kernels under Triton's interpreter when
     ``TRITON_INTERPRET=1`` was set before triton was imported (float16 and bfloat16 only; float32 and
     float64 use the reference). Under ``torch.compile`` the call is the custom operator
-    ``torch.ops.flashattn.attention_forward`` (:mod:`flashattn.ops`), traced without a graph break.
+    ``torch.ops.flashattn.attention_forward`` (:mod:`flashattn.custom_ops`), traced without a graph break.
     """
     q, k, v = autocast_inputs(q, k, v)
     if torch.compiler.is_compiling():
@@ -331,7 +330,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
         _check_dropout_source(generator, seed)
         if alibi_slopes is not None:
             alibi_slopes = alibi_slopes.detach().contiguous()
-        args = (q, k, v, problem, ops.use_kernels(q), alibi_slopes, _dropout_seed(problem.dropout_p, generator, seed))
+        args = (q, k, v, problem, use_kernels(q), alibi_slopes, _dropout_seed(problem.dropout_p, generator, seed))
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             o, lse = attention_apply(*args)
         else:

@@ -8,32 +8,18 @@ signature: the Triton kernels and the tile-by-tile reference.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from flashattn import _config, reference
-from flashattn.problem import Problem
+from flashattn.problem import Problem, dense_like, in_layout
 
 
-def dense_like(x: torch.Tensor) -> torch.Tensor:
-    """An uninitialized tensor shaped like ``x``: the layout every backend gives its outputs (and the
-    custom operators' fake tensors promise). ``x``'s own where its last dim is dense (e.g. (B, N, H, D)
-    for a transposed view, so outputs match their inputs' layout), contiguous otherwise."""
-    out = torch.empty_like(x)
-    return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what the Triton kernels run
 
 
-def in_layout(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``x`` in :func:`dense_like`'s layout for ``like`` (the reference computes contiguous tensors):
-    itself when it is already, else a copy."""
-    if like.stride(-1) == 1 and x.stride() == like.stride():  # empty_like keeps such a dense layout
-        return x
-    out = dense_like(like)
-    if out.stride() == x.stride():
-        return x
-    out.copy_(x)
-    return out
+def use_kernels(q: torch.Tensor) -> bool:
+    """CUDA tensors run the Triton kernels; so do float16/bfloat16 CPU tensors under the interpreter."""
+    return q.is_cuda or (_config.is_interpreter() and q.dtype in KERNEL_DTYPES)
 
 
 def _variants(problem: Problem, alibi_slopes, seed) -> dict:
@@ -76,33 +62,48 @@ def _reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_
     return in_layout(dq, q), in_layout(dk, k), in_layout(dv, v)
 
 
-_KERNEL_MODULES: dict = {}  # name -> flashattn.<name>, for the modules that import triton
+_LAUNCHERS: list = []  # [forward, backward, decode_kernels, tensors] once imported
 
 
-def kernel_module(name: str):
-    """The module ``flashattn.<name>`` (``_triton``, ``forward``, ``backward``, ``decode_kernels``),
-    imported at its first use: importing triton costs time, and a CPU-only user never needs it. Kept
-    here after that, since an import statement in a function costs a short call its lookup every time."""
-    module = _KERNEL_MODULES.get(name)
-    if module is None:
-        module = _KERNEL_MODULES[name] = importlib.import_module(f"flashattn.{name}")
-    return module
+def launchers():
+    """The launcher modules (:mod:`flashattn.forward`, :mod:`flashattn.backward`,
+    :mod:`flashattn.decode_kernels`) and :mod:`flashattn.tensors`, imported at the first kernel call:
+    they import Triton, which a CPU-only user never needs. Kept after that, since an import statement
+    in a function costs a short call its lookup every time."""
+    if not _LAUNCHERS:
+        from flashattn import backward, decode_kernels, forward, tensors
+
+        _LAUNCHERS.extend((forward, backward, decode_kernels, tensors))
+    return _LAUNCHERS
 
 
 def _kernel_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, packing=None):
     if problem.empty:
         return _empty_forward(q, problem)
-    with kernel_module("_triton").on_device(q):  # Triton launches on the current device: make it the inputs'
-        return kernel_module("forward").attention_forward(q, k, v, problem, alibi_slopes, seed, packing)
+    forward, _, decode_kernels, tensors = launchers()
+    with tensors.on_device(q):  # Triton launches on the current device: make it the inputs'
+        if problem.split_kv:
+            return _split_kv_forward(decode_kernels, q, k, v, problem)
+        return forward.launch_forward(q, k, v, problem, alibi_slopes, seed, packing)
+
+
+def _split_kv_forward(decode_kernels, q, k, v, problem: Problem):
+    """A few queries against many keys (:attr:`Problem.split_kv`) by the split-KV decoding kernels: q,
+    k, v seen as the decoding layout (B, N, H, D), a transpose and no copy, and every sequence holding
+    all M keys. The output keeps q's layout (:func:`dense_like`); lse is (B, Hq, N) float32."""
+    o = dense_like(q)
+    _, lse = decode_kernels.launch_decode(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), problem.m, None,
+                                          None, None, problem.causal, problem.scale, problem.m, out=o.transpose(1, 2))
+    return o, lse
 
 
 def _kernel_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
                      packing=None):
     if problem.empty:
         return _empty_backward(q, k, v)
-    with kernel_module("_triton").on_device(q):
-        return kernel_module("backward").attention_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed,
-                                                            packing)
+    _, backward, _, tensors = launchers()
+    with tensors.on_device(q):
+        return backward.launch_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed, packing)
 
 
 @torch.autocast("cpu", enabled=False)

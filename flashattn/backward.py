@@ -12,7 +12,7 @@
    forward and accumulating dQ = scale dS K.
 
 Where dQ runs on the current stream (problems too small for a second stream to pay), (3) runs first
-and does (1)'s work for its own rows, so the call makes two launches, not three (:func:`attention_backward`).
+and does (1)'s work for its own rows, so the call makes two launches, not three (:func:`launch_backward`).
 
 S and dP are recomputed in both (2) and (3): seven matmuls instead of five, the price of never
 adding into the same memory from two programs. Tiles are read through tensor descriptors, as in
@@ -26,34 +26,15 @@ import triton
 import triton.language as tl
 
 from flashattn import _config, hopper_bwd
-from flashattn._triton import (
-    LOG2E,
-    Descriptors,
-    addressable,
-    backward_query_range,
-    ceil_div,
-    dq_key_range,
-    heads_first,
-    interpreter_needs_float32,
-    launch,
-    dropout_keep,
-    fork,
-    join,
-    on_stream,
-    packed_tile,
-    program_tile,
-    recording,
-    replay,
-    score_mods,
-    seed_halves,
-    tile_mask,
-    tile_offsets,
-    variant_args,
-    window_dq_key_range,
-    window_query_range,
+from flashattn.device_helpers import (
+    LOG2E, backward_query_range, dq_key_range, dropout_keep, packed_tile, program_tile, score_mods, tile_mask,
+    window_dq_key_range, window_query_range,
 )
-from flashattn.autograd import dense_like
-from flashattn.problem import Problem
+from flashattn.launch import fork, join, launch, on_stream, recording, replay
+from flashattn.tensors import (
+    addressable, ceil_div, Descriptors, heads_first, interpreter_needs_float32, tile_offsets,
+)
+from flashattn.problem import Problem, dense_like, seed_halves, variant_abi
 
 PREPROCESS_BLOCK = 64  # rows per program of the delta kernel (memory bound: any size that fills the GPU)
 
@@ -64,7 +45,7 @@ def _row_stats(b_o, b_do, p_lse, p_dlse, mask_rows, HAS_DLSE: tl.constexpr):
     """delta and the base-2 lse of a block of query rows, from its float32 O and dO tiles
     ([BLOCK_M, BLOCK_D], zero past the rows and the head dim) and the stored natural-log LSE. The
     preprocess kernel below runs it for every row; the dQ kernel runs it for its own rows where it
-    goes first (``ROW_STATS``, :func:`attention_backward`)."""
+    goes first (``ROW_STATS``, :func:`launch_backward`)."""
     # delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij: an N x d reduction in place of an N x M one
     b_delta = tl.sum(b_o * b_do, axis=1)  # [BLOCK_M]
     # --8<-- [start:bwd-dlse]
@@ -405,7 +386,7 @@ def _bwd_dq_kernel(
     b_do = do_desc.load([i_b, i_hq, q_row, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
     if ROW_STATS:
         # The preprocess kernel's work for this block's rows, here where dO is loaded anyway: where dQ
-        # runs first, on the current stream, the backward saves that launch (attention_backward), and
+        # runs first, on the current stream, the backward saves that launch (launch_backward), and
         # dK/dV then reads what this stores. O's padded rows and columns load as 0, so their delta is 0.
         p_o = O + i_b.to(tl.int64) * stride_ob + i_hq.to(tl.int64) * stride_oh + q_row.to(tl.int64) * stride_on \
             + tl.arange(0, BLOCK_M)[:, None] * stride_on + offs_d[None, :]
@@ -482,7 +463,7 @@ def _second_stream(q: torch.Tensor, problem: Problem) -> torch.cuda.Stream | Non
 
 
 # --8<-- [start:bwd-launch]
-def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
+def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
                        packing=None):
     """Run the backward kernels on ``q``'s device (the preprocess, dK/dV and dQ; dQ with the preprocess's
     row statistics and first, where it runs on the current stream). Returns ``(dq, dk, dv)`` shaped like q, k, v.
@@ -491,10 +472,10 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
     reached the LSE output. dK and dV of a K/V head sum over its query heads. ``alibi_slopes`` and
     ``seed`` are the forward's (the dropout mask is drawn again from the seed, never stored). Packed
     sequences (``problem.varlen``) take the packed layouts and ``packing`` of
-    :func:`flashattn.forward.attention_forward`, with lse and dlse (Hq, total_q).
+    :func:`flashattn.forward.launch_forward`, with lse and dlse (Hq, total_q).
     """
     if interpreter_needs_float32(q):
-        grads = attention_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, problem, dlse,
+        grads = launch_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, problem, dlse,
                                    alibi_slopes, seed, packing)
         return tuple(g.to(q.dtype) for g in grads)
     p = problem
@@ -510,8 +491,8 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
     if replayed is not None:
         return replayed[:3]
     # dK/dV and dQ by the Hopper kernels in Gluon (large plain problems on sm_90, _config.gluon_kernel)
-    gluon_dkdv = not p.varlen and _config.gluon_kernel("bwd_dkdv", p, q.device)
-    gluon_dq = not p.varlen and _config.gluon_kernel("bwd_dq", p, q.device)
+    gluon_dkdv = not p.varlen and _config.gluon_kernel("bwd_dkdv", p, q.device) and hopper_bwd.available()
+    gluon_dq = not p.varlen and _config.gluon_kernel("bwd_dq", p, q.device) and hopper_bwd.dq_available()
     record = recording(key)
     if p.varlen:
         dq, dk, dv = dense_like(q), dense_like(k), dense_like(v)
@@ -561,7 +542,7 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
                 dk_view.stride(0), dk_view.stride(1), dk_view.stride(2),
                 dv_view.stride(0), dv_view.stride(1), dv_view.stride(2),
                 p.heads_q, p.heads_kv, p.group, n_q, n_k, p.qk_scale, p.scale, plan.n_blocks, plan.heads_per_group,
-                cu_q, cu_k, offsets, p.batch, *variant_args(p, alibi_slopes, seed, delta))
+                cu_q, cu_k, offsets, p.batch, *variant_abi(p, alibi_slopes, seed, delta)[1])
         for constexprs in plan.passes:  # one launch, or dV's then dK's (KernelConfig.split)
             launch(_bwd_dkdv_kernel, plan.grid, args, constexprs, plan.options, record)
 
@@ -575,7 +556,7 @@ def attention_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_s
                 lse2, delta, dq_view, dq_view.stride(0), dq_view.stride(1), dq_view.stride(2),
                 o, lse, dlse, o.stride(0), o.stride(1), o.stride(2),
                 p.heads_q, p.group, n_q, n_k, p.qk_scale, p.scale, plan.n_blocks, plan.heads_per_group,
-                cu_q, cu_k, offsets, p.batch, *variant_args(p, alibi_slopes, seed, delta))
+                cu_q, cu_k, offsets, p.batch, *variant_abi(p, alibi_slopes, seed, delta)[1])
         constexprs = {**plan.constexprs, "ROW_STATS": row_stats, "HAS_DLSE": row_stats and has_dlse}
         launch(_bwd_dq_kernel, plan.grid, args, constexprs, plan.options, record)
 

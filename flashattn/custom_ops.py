@@ -24,24 +24,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flashattn import _config
-from flashattn._memo import remember
-from flashattn.autograd import backend, dense_like, in_layout
-from flashattn.problem import Problem
-
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what the Triton kernels run
-
-
-def use_kernels(q: Tensor) -> bool:
-    """CUDA tensors run the Triton kernels; so do float16/bfloat16 CPU tensors under the interpreter."""
-    return q.is_cuda or (_config.is_interpreter() and q.dtype in KERNEL_DTYPES)
-
+from flashattn._memo import remember, table
+from flashattn.autograd import backend, use_kernels
+from flashattn.problem import Problem, dense_like, in_layout
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-_PROBLEMS: dict = {}  # the operators' arguments that describe a call -> its Problem
+_PROBLEMS = table("custom_ops.problems")  # the operators' arguments that describe a call -> its Problem
 
 
 def _problem(q, k, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p) -> Problem:

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from flashattn import ops, reference
+from flashattn import reference
 from flashattn.api import check_dtype_for_device, check_flag, check_scale, is_int
-from flashattn.autograd import kernel_module
+from flashattn.autograd import launchers, use_kernels
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
@@ -229,7 +229,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
                   return_lse)
     if num_splits is not None:
         num_splits = int(num_splits)  # an integral type of numpy's, say: the launchers take Python ints
-    kernels = ops.use_kernels(q)
+    kernels = use_kernels(q)
     if is_int(cache_seqlens):
         cache_seqlens = int(cache_seqlens)
         max_keys = cache_seqlens + p.n_new  # known on the host: no sync, and the splits fit it
@@ -243,8 +243,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         max_keys = p.capacity
     if kernels:
         # the append (when k_new is given) and the attention, in one launcher call
-        with kernel_module("_triton").on_device(q):  # Triton launches on the current device: the inputs'
-            o, lse = kernel_module("decode_kernels").decode_forward(
+        _, _, decode_kernels, tensors = launchers()
+        with tensors.on_device(q):  # Triton launches on the current device: the inputs'
+            o, lse = decode_kernels.launch_decode(
                 q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, p.causal, p.scale, max_keys, num_splits)
     else:
         if p.n_new:

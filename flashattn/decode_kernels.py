@@ -8,7 +8,7 @@ fill one row of a 128-row tile and walk every key alone. Here instead:
   ``r`` is query ``r // G`` of head ``hkv * G + r % G``, so a tile holds G heads x a few queries, and
   every key block loaded from memory serves all of them.
 * **Split-KV**: the keys of one sequence are dealt out to ``n_splits`` programs
-  (:func:`flashattn.reference.decode_split_range`). Each writes its tile's output normalized over
+  (:func:`flashattn.schedule.decode_split_range`). Each writes its tile's output normalized over
   its own keys, and the base-2 log-sum-exp of those keys, to float32 scratch.
 * **Merge**: a second small kernel combines the partials of each row with the online-softmax merge.
 
@@ -27,15 +27,16 @@ import torch
 import triton
 import triton.language as tl
 
-from flashattn import _config, reference
-from flashattn._triton import LN2, LOG2E, ceil_div, device_fn, launch, recording, replay
-from flashattn._triton import clamp as _clamp
-from flashattn._triton import fwd_end_visible_key as _fwd_end_visible_key
-from flashattn._triton import fwd_first_masked_key as _fwd_first_masked_key
-from flashattn._triton import interpreter_needs_float32 as _interpreter_needs_float32
+from flashattn import _config
+from flashattn.device_helpers import LN2, LOG2E
+from flashattn.device_helpers import clamp as _clamp
+from flashattn.device_helpers import decode_split_range as _decode_split_range
+from flashattn.device_helpers import fwd_end_visible_key as _fwd_end_visible_key
+from flashattn.device_helpers import fwd_first_masked_key as _fwd_first_masked_key
+from flashattn.launch import launch, recording, replay
 from flashattn.problem import head_dim_block as _head_dim_block
-
-_decode_split_range = device_fn(reference.decode_split_range)
+from flashattn.tensors import ceil_div
+from flashattn.tensors import interpreter_needs_float32 as _interpreter_needs_float32
 
 
 # --8<-- [start:decode-key-rows]
@@ -357,16 +358,16 @@ def _scratch(shape, device) -> torch.Tensor:
 
 
 # --8<-- [start:decode-launch]
-def decode_forward(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, causal: bool, scale: float,
-                   max_keys: int, num_splits: int | None = None):
+def launch_decode(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, causal: bool, scale: float,
+                  max_keys: int, num_splits: int | None = None, out=None):
     """Append ``k_new``/``v_new`` (None: nothing to append) to the cache in place, then run split-KV
     decoding on it.
 
     ``seq_lens`` holds the lengths *before* the append: a (B,) int32 tensor on q's device, or one
     Python int for every sequence, which the kernels take as an argument (no tensor is made or read
     for it). ``max_keys`` bounds the lengths after the append (the cache's capacity when they are not
-    known on the host). Returns ``(o, lse)``: o (B, Nq, Hq, D) contiguous in q's dtype, lse (B, Hq, Nq)
-    float32 natural log. Inputs are validated by :mod:`flashattn.decode`, which also makes q's device
+    known on the host). Returns ``(o, lse)``: o (B, Nq, Hq, D) in q's dtype (``out`` when given, any
+    strides, else contiguous), lse (B, Hq, Nq) float32 natural log. Inputs are validated by :mod:`flashattn.decode`, which also makes q's device
     the current one, where the launches go.
     """
     scalar = isinstance(seq_lens, int)
@@ -378,9 +379,12 @@ def decode_forward(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, cau
         if k_new is not None:  # the append only copies: it runs in bfloat16, into the cache itself
             _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table, None)
             seq_lens = seq_lens + k_new.shape[1] if scalar else (seq_lens + k_new.shape[1]).to(torch.int32)
-        o, lse = decode_forward(q.float(), k_cache.float(), v_cache.float(), seq_lens, None, None, block_table,
-                                causal, scale, max_keys, num_splits)
-        return o.to(q.dtype), lse
+        o, lse = launch_decode(q.float(), k_cache.float(), v_cache.float(), seq_lens, None, None, block_table,
+                               causal, scale, max_keys, num_splits)
+        if out is None:
+            return o.to(q.dtype), lse
+        out.copy_(o)
+        return out, lse
     batch, n_q, h_q, d = q.shape
     h_kv = k_cache.shape[2]
     n_new = 0 if k_new is None else k_new.shape[1]
@@ -396,20 +400,22 @@ def decode_forward(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, cau
         num_splits = choose_num_splits(batch * h_kv * tiles, max_keys, cfg.block_n, q.device)
     paged = block_table is not None
     # A step whose shapes, layouts and split count repeat an earlier one's replays that step's
-    # launches with its own tensors (flashattn._triton.Recipe), as the attention launchers do; an int
+    # launches with its own tensors (flashattn.launch.Recipe), as the attention launchers do; an int
     # length is the launches' one per-call integer, so a loop whose cache grows keeps replaying.
     key = ("decode", q.dtype, q.device, q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(),
            scalar or seq_lens.stride(), None if not paged else (block_table.shape, block_table.stride()),
-           None if not n_new else (k_new.shape, k_new.stride(), v_new.stride()), causal, scale, num_splits)
-    inputs = (q, k_cache, v_cache, None if scalar else seq_lens, block_table, k_new, v_new)
+           None if not n_new else (k_new.shape, k_new.stride(), v_new.stride()), causal, scale, num_splits,
+           None if out is None else out.stride())
+    # a caller's ``out`` is one of the inputs a replay takes; otherwise a replay allocates o itself
+    inputs = (q, k_cache, v_cache, None if scalar else seq_lens, block_table, k_new, v_new, out)
     free = (seq_lens if scalar else 0,)
     replayed = replay(key, inputs, free)
     if replayed is not None:
-        return replayed[0], replayed[1]
+        return (replayed[0], replayed[1]) if out is None else (out, replayed[0])
     record = recording(key)
     if n_new:
         _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table, record)
-    o = torch.empty((batch, n_q, h_q, d), dtype=q.dtype, device=q.device)
+    o = torch.empty((batch, n_q, h_q, d), dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty((batch, h_q, n_q), dtype=torch.float32, device=q.device)
     direct = num_splits == 1
     if direct:
@@ -434,7 +440,8 @@ def decode_forward(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, cau
                (o_part, lse_part, o, lse, *o.stride(), h_kv, n_q, num_splits),
                dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_R=cfg.block_m), dict(num_warps=4), record)
     if record is not None:
-        record.keep(inputs, (o, lse) if direct else (o, lse, o_part, lse_part), free)
+        outputs = (lse,) if direct else (lse, o_part, lse_part)
+        record.keep(inputs, outputs if out is not None else (o, *outputs), free)
     return o, lse
 # --8<-- [end:decode-launch]
 

@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 
 from flashattn.api import _check_inputs, check_flag
-from flashattn.autograd import backend, not_twice
-from flashattn.ops import use_kernels
+from flashattn.autograd import backend, not_twice, use_kernels
 from flashattn.problem import Problem
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -151,7 +150,7 @@ def ring_step(rank: int, source: int, n: int, causal: bool, layout: str) -> Ring
 # the merge of partial results
 # --------------------------------------------------------------------------------------------------
 # --8<-- [start:merge]
-def merge_partials(o, lse, o_part, lse_part):
+def merge_pair(o, lse, o_part, lse_part):
     """Merge two partial attentions over disjoint key sets: ``(o, lse)`` of the union.
 
     ``o`` (.., N, D) and ``lse`` (.., N) are one partial, ``o_part``/``lse_part`` the other; an empty
@@ -215,7 +214,7 @@ def _ring_forward(q, k, v, causal: bool, scale: float, layout: str, group):
         if plan is not None:
             rows, cols = plan.rows, plan.cols
             o_part, lse_part = _local_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], plan.causal, scale)
-            o[:, :, rows], lse[:, :, rows] = merge_partials(o[:, :, rows], lse[:, :, rows], o_part, lse_part)
+            o[:, :, rows], lse[:, :, rows] = merge_pair(o[:, :, rows], lse[:, :, rows], o_part, lse_part)
         _wait(works)
         kv = kv_next
     return o.to(q.dtype), lse
@@ -336,5 +335,5 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, scale: float | 
     return (o, lse) if return_lse else o
 
 
-__all__ = ["LAYOUTS", "RingStep", "chunk_ids", "gather_sequence", "merge_partials", "ring_attention", "ring_step",
+__all__ = ["LAYOUTS", "RingStep", "chunk_ids", "gather_sequence", "merge_pair", "ring_attention", "ring_step",
            "shard_sequence", "unshard_sequence"]

@@ -28,30 +28,15 @@ import triton
 import triton.language as tl
 
 from flashattn import _config, hopper_fwd
-from flashattn._triton import (
-    LN2,
-    LOG2E,
-    Descriptors,
-    addressable,
-    dropout_keep,
-    forward_key_range,
-    heads_first,
-    interpreter_needs_float32,
-    launch,
-    packed_tile,
-    program_tile,
-    recording,
-    replay,
-    score_mods,
-    seed_halves,
-    tile_mask,
-    tile_offsets,
-    variant_args,
-    visible,
+from flashattn.device_helpers import (
+    LN2, LOG2E, dropout_keep, forward_key_range, packed_tile, program_tile, score_mods, tile_mask, visible,
     window_key_range,
 )
-from flashattn.autograd import dense_like
-from flashattn.problem import Problem
+from flashattn.launch import launch, recording, replay
+from flashattn.tensors import (
+    addressable, Descriptors, heads_first, interpreter_needs_float32, tile_offsets,
+)
+from flashattn.problem import Problem, dense_like, seed_halves, variant_abi
 
 
 # --8<-- [start:fwd-inner]
@@ -237,7 +222,7 @@ def _attn_fwd_kernel(
 
 
 # --8<-- [start:fwd-launch]
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem,
+def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem,
                       alibi_slopes: torch.Tensor | None = None, seed: int = 0, packing=None):
     """Run the forward kernel on ``q``'s device. Returns ``(o, lse)``: o like q, lse float32 (B, Hq, N),
     natural log. Inputs are validated by :mod:`flashattn.api`; any outer strides are used as they are.
@@ -249,12 +234,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem
     and lse is (Hq, total_q).
     """
     if interpreter_needs_float32(q):
-        o, lse = attention_forward(q.float(), k.float(), v.float(), problem, alibi_slopes, seed, packing)
+        o, lse = launch_forward(q.float(), k.float(), v.float(), problem, alibi_slopes, seed, packing)
         return o.to(q.dtype), lse
     p = problem
     # A call with the key of an earlier one (the problem, device, layouts, which of q, k, v are one
     # tensor, as in self-attention of x with itself) repeats that call's launches
-    # with its own tensors: no config lookup, descriptor object or argument binding (flashattn._triton.Recipe).
+    # with its own tensors: no config lookup, descriptor object or argument binding (flashattn.launch.Recipe).
     # A tensor subclass takes the full path: its outputs are of the subclass (empty_like), a replay's are not.
     key = None if p.varlen or type(q) is not torch.Tensor else (
         p, q.device, q.stride(), k.stride(), v.stride(), alibi_slopes is not None and alibi_slopes.dim(),
@@ -264,7 +249,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem
     if replayed is not None:
         return replayed
     record = recording(key)
-    if not p.varlen and _config.gluon_kernel("fwd", p, q.device):
+    if not p.varlen and _config.gluon_kernel("fwd", p, q.device) and hopper_fwd.available():
         # the Hopper forward in Gluon (large plain problems on sm_90, flashattn._config.gluon_kernel);
         # it makes its inputs TMA-readable itself (a copy it makes is no input: then nothing is kept)
         o, lse = hopper_fwd.forward(q, k, v, p.causal, p.scale, out=dense_like(q), record=record)
@@ -294,7 +279,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem
         args = (desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), o_view, lse,
                 o_view.stride(0), o_view.stride(1), o_view.stride(2),
                 p.heads_q, p.group, n_q, n_k, p.qk_scale, plan.n_blocks, plan.heads_per_group,
-                cu_q, cu_k, offsets, p.batch, *variant_args(p, alibi_slopes, seed, lse))
+                cu_q, cu_k, offsets, p.batch, *variant_abi(p, alibi_slopes, seed, lse)[1])
         launch(_attn_fwd_kernel, plan.grid, args, plan.constexprs, plan.options, record)
 
     if p.varlen:  # the fixed table entry: every new total would otherwise be a new plan (and autotuning)

@@ -256,7 +256,7 @@ def dkdv(q, k, v, do, lse2, delta, dk, dv, causal: bool, scale: float, stages: i
     q, do (B, Hq, N, D); k, v (B, Hkv, M, D), float16 or bfloat16, head dim contiguous and 16-byte
     aligned strides (TMA); ``lse2`` and ``delta`` float32 contiguous (B, Hq, N) from the backward's
     preprocess kernel; ``scale`` > 0 is the softmax scale. A ``record`` keeps the launch for a recipe."""
-    from flashattn._triton import ceil_div
+    from flashattn.tensors import ceil_div
     from flashattn.constants import LOG2E
 
     kernel = _get_kernel()
@@ -460,7 +460,7 @@ def dq(q, k, v, do, lse2, delta, dq_out, causal: bool, scale: float, block_n: in
     of :func:`dkdv`. The backward runs it where ``flashattn._config.gluon_kernel("bwd_dq", ...)``
     says so: large plain problems at D = 128 and 256 (tuning log, "A dQ kernel in Gluon", "Run 25" and
     "dQ in Gluon at D = 256"). A ``record`` keeps the launch for a recipe."""
-    from flashattn._triton import ceil_div
+    from flashattn.tensors import ceil_div
     from flashattn.constants import LOG2E
 
     kernel = _get_dq_kernel()

@@ -373,7 +373,7 @@ def _build_kernel():
             # Every CTA draws until it gets a number past the last tile, so the draws number exactly
             # `tiles` (tiles - grid that succeed, one that fails per CTA) and return 0 .. tiles - 1.
             # The CTA that drew the last one sets the counter back to zero, so a launch leaves it
-            # as it found it (the package still zeroes one per call: flashattn._triton.tile_counter).
+            # as it found it (the package still zeroes one per call: flashattn.tensors.tile_counter).
             if drawn == tiles - 1:
                 gl.atomic_xchg(counter_ptr, 0, sem="relaxed")
             # No tile left: a tile number past the end wakes the consumers, which then stop.
@@ -684,11 +684,11 @@ def _shared_layout(rows: int, head_dim: int, dtype):
 
 def launch(kernel, grid: int, args: tuple, constexprs: dict, warps: int = 4, record=None) -> None:
     """Launch a Gluon kernel of this module or :mod:`flashattn.hopper_bwd` through the package's
-    launcher (:func:`flashattn._triton.launch`): after its first call with a signature, the compiled
+    launcher (:func:`flashattn.launch.launch`): after its first call with a signature, the compiled
     kernel is called directly, without ``kernel[grid](...)``'s binding and specialization of every
     argument (which costs a Gluon launch about 140 µs of host time on an H200 host). A ``record``
-    (:class:`flashattn._triton.Recording`) keeps the launch for the recipe of the launcher call."""
-    from flashattn._triton import launch as launch_compiled
+    (:class:`flashattn.launch.Recording`) keeps the launch for the recipe of the launcher call."""
+    from flashattn.launch import launch as launch_compiled
 
     launch_compiled(kernel, grid, args, constexprs, dict(num_warps=warps, maxnreg=MAXNREG), record)
 
@@ -709,11 +709,11 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     two the producer loads the next tile's Q while the consumers finish this one (default
     :func:`q_buffers_default`; a CTA of one tile holds one). ``out``, when given, receives o: any (B, Hq, N, D) tensor of q's dtype
     whose head dim is contiguous, such as one laid out like q. A ``record``
-    (:class:`flashattn._triton.Recording`) keeps the launch, and which argument is the tile counter."""
+    (:class:`flashattn.launch.Recording`) keeps the launch, and which argument is the tile counter."""
     import torch
 
     from flashattn._config import _sm_count
-    from flashattn._triton import ceil_div, describable, tile_counter
+    from flashattn.tensors import ceil_div, describable, tile_counter
     from flashattn.constants import LOG2E
 
     kernel = _get_kernel()
@@ -759,7 +759,7 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     assert q_buffers in (1, 2) and (q_buffers == 1 or D <= 128), "two Q buffers fit shared memory up to D = 128"
     q_desc, k_desc, v_desc, o_desc = (descriptor(q, HALF_M), descriptor(k, block_n), descriptor(v, block_n),
                                       descriptor(o, HALF_M))
-    # A dynamic walk's tile counter, zeroed for this call (flashattn._triton.tile_counter), so that
+    # A dynamic walk's tile counter, zeroed for this call (flashattn.tensors.tile_counter), so that
     # calls on different streams, or the replays of a captured graph, never share one.
     counter = tile_counter(q.device) if dynamic else lse
     if dynamic and record is not None:

@@ -58,6 +58,12 @@ class Problem:
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in self.__dataclass_fields__)))
         # no batch, head, query or key: nothing for a kernel to do (flashattn.autograd answers it)
         object.__setattr__(self, "empty", not self.varlen and self.batch * self.heads_q * self.n * self.m == 0)
+        object.__setattr__(self, "_constexprs", dict(
+            HAS_WINDOW=self.window is not None, SOFTCAP=self.softcap > 0, ALIBI=self.alibi,
+            DROPOUT=self.dropout_p > 0, VARLEN=self.varlen))
+        plain = not (self.varlen or self.window is not None or self.softcap or self.alibi or self.dropout_p)
+        object.__setattr__(self, "_split_kv", plain and not self.empty and self.n <= SPLIT_KV_MAX_QUERIES
+                           and self.m >= SPLIT_KV_MIN_KEYS and self.scale >= 0)
 
     def __hash__(self) -> int:
         return self._hash
@@ -120,6 +126,73 @@ class Problem:
     def dropout_threshold(self) -> int:
         """An entry is dropped when its 16-bit Philox lane is below this: floor(p * 2^16)."""
         return dropout_threshold(self.dropout_p)
+
+    @property
+    def variant_constexprs(self) -> dict:
+        """The kernels' compile-time switches of the variants (all False for plain attention, which
+        then compiles to the code it has without any variant); :func:`variant_abi` gives them with
+        the runtime arguments."""
+        return self._constexprs
+
+    @property
+    def split_kv(self) -> bool:
+        """Whether the forward runs the split-KV decoding kernels rather than the dense one: few queries
+        against many keys (:data:`SPLIT_KV_MAX_QUERIES`, :data:`SPLIT_KV_MIN_KEYS`), no variant but
+        the causal mask. The dense forward gives each (query block, head) one program that walks every
+        key alone, and a query block of one row leaves the tile nearly empty; the split-KV kernels
+        pack a group's query heads into one tile and deal the keys out to several programs."""
+        return self._split_kv
+
+
+# The dense forward hands few-query problems to the split-KV kernels from these sizes on.
+SPLIT_KV_MAX_QUERIES = 16
+SPLIT_KV_MIN_KEYS = 512
+
+
+def variant_abi(problem: Problem, alibi_slopes=None, seed: int = 0, dummy=None) -> tuple[dict, tuple]:
+    """The variants as the kernels take them: ``(constexprs, args)``.
+
+    ``constexprs`` are the compile-time switches (:attr:`Problem.variant_constexprs`); ``args`` the
+    runtime arguments in the kernels' order: the window's (left, right), the softcap's two factors,
+    the ALiBi slopes (pointer and batch stride), the dropout seed as two 31-bit halves, its threshold
+    and 1 / (1 - p). A variant that is off passes harmless values that its compiled-out code never
+    reads (``dummy``, any tensor of the call, stands in for the slopes)."""
+    p = problem
+    left, right = p.window if p.window is not None else (0, 0)
+    if p.alibi:
+        slopes, stride_b = alibi_slopes, (alibi_slopes.shape[-1] if alibi_slopes.dim() == 2 else 0)
+    else:
+        slopes, stride_b = dummy, 0
+    inv_keep = 1.0 / (1.0 - p.dropout_p)
+    return p._constexprs, (left, right, p.softcap_in, p.softcap_out, slopes, stride_b,
+                           *seed_halves(p, seed), p.dropout_threshold, inv_keep)
+
+
+def seed_halves(problem: Problem, seed: int) -> tuple[int, int]:
+    """The dropout seed as the kernels take it, two 31-bit halves (low, high); (0, 0) without dropout.
+    They are the kernels' only per-call integers (a recorded launch takes them afresh each call)."""
+    seed = int(seed) if problem.dropout_p > 0 else 0
+    return seed & (2**31 - 1), seed >> 31
+
+
+def dense_like(x: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor shaped like ``x``: the layout every backend gives its outputs (and the
+    custom operators' fake tensors promise). ``x``'s own where its last dim is dense (e.g. (B, N, H, D)
+    for a transposed view, so outputs match their inputs' layout), contiguous otherwise."""
+    out = torch.empty_like(x)
+    return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def in_layout(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``x`` in :func:`dense_like`'s layout for ``like`` (the reference computes contiguous tensors):
+    itself when it is already, else a copy."""
+    if like.stride(-1) == 1 and x.stride() == like.stride():  # empty_like keeps such a dense layout
+        return x
+    out = dense_like(like)
+    if out.stride() == x.stride():
+        return x
+    out.copy_(x)
+    return out
 
 
 def dropout_threshold(p: float) -> int:

@@ -18,6 +18,7 @@ import math
 import torch
 
 from flashattn import schedule
+from flashattn.schedule import decode_split_range
 from flashattn.constants import LN2, LOG2E
 
 
@@ -126,8 +127,8 @@ def philox(seed: int, c0, c1, c2, c3, rounds: int = 10):
     return c0, c1, c2, c3
 
 
-def dropout_keep(seed: int, i_bh, rows, cols, p: float) -> torch.Tensor:
-    """The kernels' keep decision (:func:`flashattn._triton.dropout_keep`) for broadcastable index
+def dropout_keep_at(seed: int, i_bh, rows, cols, p: float) -> torch.Tensor:
+    """The kernels' keep decision (:func:`flashattn.device_helpers.dropout_keep`) for broadcastable index
     tensors, entry by entry: the draw counted by (j // 8, i, b * Hq + h, 0), its lane j % 8 = 2 w + h
     (half h of word w), dropped when that 16-bit lane is below floor(p * 2^16)."""
     from flashattn.problem import dropout_threshold
@@ -150,7 +151,7 @@ def dropout_keep_mask(seed: int, batch: int, heads: int, n: int, m: int, p: floa
     i_bh = torch.arange(batch * heads, device=device).reshape(batch, heads, 1, 1)
     rows = torch.arange(n, device=device).reshape(1, 1, n, 1)
     cols = torch.arange(m, device=device).reshape(1, 1, 1, m)
-    return dropout_keep(seed, i_bh, rows, cols, p)
+    return dropout_keep_at(seed, i_bh, rows, cols, p)
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
@@ -226,7 +227,7 @@ class _Mods:
             return None
         rows = start_m + torch.arange(block_m, device=device)[:, None]
         cols = start_n + torch.arange(block_n, device=device)[None, :]
-        return dropout_keep(self.seed, self.i_bh, rows, cols, self.dropout_p)
+        return dropout_keep_at(self.seed, self.i_bh, rows, cols, self.dropout_p)
 
 
 def _kernel_window(n, m, causal, window):
@@ -456,22 +457,6 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, 
 # (B, Nq, Hq, D); the cache is (B, Mmax, Hkv, D), or paged (num_pages, page_size, Hkv, D) with a
 # (B, max_pages) block table whose row b lists the pages of sequence b in order.
 # ----------------------------------------------------------------------------------------------
-
-
-# --8<-- [start:decode-split-range]
-def decode_split_range(split, n_splits, seq_len, block_n):
-    """Keys ``[lo, hi)`` that split ``split`` of ``n_splits`` walks in a sequence of ``seq_len`` keys.
-
-    The sequence's key blocks are dealt out in equal runs of whole blocks, so ``lo`` is a multiple of
-    ``block_n`` and only the last block of the sequence is ragged. A split whose run starts past the
-    end gets no keys (the caller clamps ``hi`` to the sequence). Only ``+``, ``-``, ``*`` and ``//``
-    on non-negative integers: the split kernel runs this very function.
-    """
-    blocks = (seq_len + block_n - 1) // block_n
-    per_split = (blocks + n_splits - 1) // n_splits
-    lo = split * per_split * block_n
-    return lo, lo + per_split * block_n
-# --8<-- [end:decode-split-range]
 
 
 def _cache_rows(cache: torch.Tensor, b: int, length: int, block_table=None) -> torch.Tensor:

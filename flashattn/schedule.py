@@ -34,7 +34,7 @@ SKIPPED = "skipped"
 # --8<-- [start:primitives]
 # The schedule's functions run in three places: on the host (the reference, the figures, the tests),
 # and inside the Triton kernels, which wrap these very functions with ``triton.jit``
-# (:func:`flashattn._triton.device_fn`). Everything below is written with + - * // and comparisons,
+# (:func:`flashattn.device_helpers.device_fn`). Everything below is written with + - * // and comparisons,
 # and with the five primitives here; on the device each primitive is swapped for its Triton twin
 # (tl.minimum, tl.maximum, clamp built from those two, tl.where, tl.load), so host and kernel compute
 # the same numbers by construction.
@@ -385,3 +385,19 @@ def block_grid(n: int, m: int, block_m: int, block_n: int, causal: bool, *, wind
         [classify_block(sm, sn, block_m, block_n, n, m, causal, window) for sn in range(0, m, block_n)]
         for sm in range(0, n, block_m)
     ]
+
+
+# --8<-- [start:decode-split-range]
+def decode_split_range(split, n_splits, seq_len, block_n):
+    """Keys ``[lo, hi)`` that split ``split`` of ``n_splits`` walks in a sequence of ``seq_len`` keys.
+
+    The sequence's key blocks are dealt out in equal runs of whole blocks, so ``lo`` is a multiple of
+    ``block_n`` and only the last block of the sequence is ragged. A split whose run starts past the
+    end gets no keys (the caller clamps ``hi`` to the sequence). Only ``+``, ``-``, ``*`` and ``//``
+    on non-negative integers: the split kernel runs this very function.
+    """
+    blocks = (seq_len + block_n - 1) // block_n
+    per_split = (blocks + n_splits - 1) // n_splits
+    lo = split * per_split * block_n
+    return lo, lo + per_split * block_n
+# --8<-- [end:decode-split-range]

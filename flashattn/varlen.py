@@ -16,8 +16,7 @@ import torch
 
 from flashattn.api import (MAX_HEAD_DIM, MIN_HEAD_DIM, autocast_inputs, check_dtype_for_device, check_flag,
                            check_scale, check_tensors, is_int)
-from flashattn.autograd import VarlenFunction
-from flashattn.ops import use_kernels
+from flashattn.autograd import VarlenFunction, use_kernels
 from flashattn.problem import Problem
 
 

@@ -1155,17 +1155,19 @@ def test_hostcost_refuses_the_interpreter_and_restores_the_package(monkeypatch):
     """The host-cost tool replaces the compiled-kernel launch; under the interpreter, which never takes
     that path, it must refuse, and whatever it patched must come back afterwards."""
     from benchmarks import hostcost
-    from flashattn import _triton, ops
+    from flashattn import api, decode, varlen
+    from flashattn import launch as launch_mod
 
-    before = (_triton._COMPILED, _triton._current_device, ops.use_kernels)
+    before = (launch_mod._COMPILED, launch_mod._current_device, api.use_kernels, decode.use_kernels, varlen.use_kernels)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         with hostcost.launches_disabled():
             pass
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with hostcost.launches_disabled():
-        assert _triton._COMPILED is not before[0] and ops.use_kernels is not before[2]
-    assert (_triton._COMPILED, _triton._current_device, ops.use_kernels) == before
+        assert launch_mod._COMPILED is not before[0] and api.use_kernels is not before[2]
+    assert (launch_mod._COMPILED, launch_mod._current_device, api.use_kernels, decode.use_kernels,
+            varlen.use_kernels) == before
 
 
 @pytest.mark.parametrize("name, expected", [("flashattn_portable", dict(gluon=False, overlap_dq=True)),

@@ -135,7 +135,7 @@ def test_interpreter_splits_and_poisoned_scratch(num_splits, monkeypatch):
     (2, True, True, True), (1, True, False, True)],
     ids=["direct", "splits-int-lengths", "paged", "append-int-lengths", "paged-append-int-lengths", "paged-append"])
 def test_replayed_decode_steps_are_the_full_path(monkeypatch, num_splits, paged, int_lengths, append):
-    """A decoding step repeated from its recipe (flashattn._triton.Recipe) hands the C launchers exactly
+    """A decoding step repeated from its recipe (flashattn.launch.Recipe) hands the C launchers exactly
     what the full path hands them for the same tensors: the append kernel's, the split kernel's and the
     merge's pointers, strides and scalars, with one split (no merge, no scratch), with several, with an
     int cache length (a per-call integer: the later step's is one longer, as in a decoding loop), with a
@@ -229,8 +229,8 @@ def test_interpreter_strided_lengths_and_block_table(paged):
 @cpu_only
 def test_interpreter_public_call_runs_the_kernels(monkeypatch):
     calls = []
-    real = flashattn.decode_kernels.decode_forward
-    monkeypatch.setattr(flashattn.decode_kernels, "decode_forward", lambda *a: calls.append(1) or real(*a))
+    real = flashattn.decode_kernels.launch_decode
+    monkeypatch.setattr(flashattn.decode_kernels, "launch_decode", lambda *a: calls.append(1) or real(*a))
     q, k_cache, v_cache, _, _ = _make(1, 1, 2, 1, 16, 20, 0, torch.float16)
     out = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([20], dtype=torch.int32))
     assert calls == [1] and out.shape == q.shape
@@ -300,7 +300,7 @@ def test_split_range_deals_whole_blocks_and_covers_every_key():
         for n_splits in (1, 2, 3, 7):
             covered = []
             for s in range(n_splits):
-                lo, hi = reference.decode_split_range(s, n_splits, seq_len, 16)
+                lo, hi = schedule.decode_split_range(s, n_splits, seq_len, 16)
                 assert lo % 16 == 0
                 covered += range(lo, min(hi, seq_len))
             assert covered == list(range(seq_len))
@@ -485,10 +485,11 @@ def test_gpu_strided_lengths_and_block_table(paged):
 @gpu
 @needs_cuda
 def test_gpu_replayed_decode_steps_match_the_full_path(monkeypatch):
-    """A decoding loop whose steps replay their launches (flashattn._triton.Recipe) gives bitwise the
+    """A decoding loop whose steps replay their launches (flashattn.launch.Recipe) gives bitwise the
     outputs, LSEs and caches of the same loop on the full launch path: one new key per step with an int
     length that grows, a paged cache with a tensor of lengths, and one split (no merge)."""
-    from flashattn import _triton
+    from flashattn import device_helpers, tensors
+    from flashattn import launch as launch_mod
 
     class NeverKept(dict):
         def __setitem__(self, key, value):  # every step records and keeps nothing: the full path
@@ -501,16 +502,16 @@ def test_gpu_replayed_decode_steps_match_the_full_path(monkeypatch):
         table = torch.randperm(64, device=DEVICE)[:64].to(torch.int32).view(4, 16) if paged else None
         runs = []
         for keep in (False, True):
-            monkeypatch.setattr(_triton, "_RECIPES", {} if keep else NeverKept())
+            monkeypatch.setattr(launch_mod, "_RECIPES", {} if keep else NeverKept())
             kc, vc, out, signatures = k_cache.clone(), v_cache.clone(), [], []
             for step in range(6):
                 lengths = (torch.tensor([300, 0, 400, 40], dtype=torch.int32, device=DEVICE) + step if paged
                            else 600 + step)  # 601-606 keys: the same split count every step
                 with monkeypatch.context() as m:
-                    m.setattr(_triton, "_signature", lambda *a, f=_triton._signature: signatures.append(step) or f(*a))
+                    m.setattr(launch_mod, "_signature", lambda *a, f=launch_mod._signature: signatures.append(step) or f(*a))
                     out += attention_with_kvcache(q, kc, vc, cache_seqlens=lengths, k_new=k_new, v_new=v_new,
                                                   block_table=table, num_splits=splits, return_lse=True)
-            if keep and any(entry[2] is not None for entry in _triton._COMPILED.values()):
+            if keep and any(entry[2] is not None for entry in launch_mod._COMPILED.values()):
                 assert 5 not in signatures  # the last step replayed
             runs.append((*out, kc, vc))
         for a, b in zip(*runs):
@@ -525,7 +526,7 @@ def test_gpu_large_logits_and_poisoned_scratch(monkeypatch):
         return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
 
     monkeypatch.setattr(flashattn.decode_kernels, "_scratch", poisoned)
-    monkeypatch.setattr(flashattn._triton, "_RECIPES", {})  # a replayed step would allocate its own scratch
+    monkeypatch.setattr(flashattn.launch, "_RECIPES", {})  # a replayed step would allocate its own scratch
     q, k_cache, v_cache, _, _ = _make(8, 1, 32, 8, 128, 4096, 0, torch.bfloat16, std=4.5, seed=8)
     s = (q[:, :, :1].float() @ k_cache[:, :, 0].float().transpose(-1, -2)) * 128 ** -0.5
     assert s.abs().max() > 60, "inputs do not produce large logits"

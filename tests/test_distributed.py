@@ -366,7 +366,7 @@ def test_zigzag_balances_causal_work():
         assert (plan.rows.stop - plan.rows.start) * (plan.cols.stop - plan.cols.start) == 2 * chunk * chunk
 
 
-def test_merge_partials_is_exact_and_handles_empty_partials():
+def test_merge_pair_is_exact_and_handles_empty_partials():
     from derivations.merge import merge_pair
 
     g = torch.Generator().manual_seed(3)
@@ -382,7 +382,7 @@ def test_merge_partials_is_exact_and_handles_empty_partials():
         return p @ values[cols], lse
 
     (o_a, lse_a), (o_b, lse_b), (o, lse) = partial(slice(0, 6)), partial(slice(6, 10)), partial(slice(0, 10))
-    o_m, lse_m = fd.merge_partials(o_a, lse_a, o_b, lse_b)
+    o_m, lse_m = fd.merge_pair(o_a, lse_a, o_b, lse_b)
     assert not torch.isnan(o_m).any() and not torch.isnan(lse_m).any()
     assert torch.allclose(o_m, o, rtol=0, atol=1e-14) and torch.equal(torch.isinf(lse_m), torch.isinf(lse))
     assert torch.allclose(lse_m[~torch.isinf(lse)], lse[~torch.isinf(lse)], rtol=0, atol=1e-14)
@@ -396,7 +396,7 @@ def test_merge_partials_is_exact_and_handles_empty_partials():
             assert lse_ref == float(lse_m[i]) or math.isclose(lse_ref, float(lse_m[i]), rel_tol=1e-14)
 
 
-def test_merge_partials_in_float32_does_not_lose_digits_to_a_large_lse():
+def test_merge_pair_in_float32_does_not_lose_digits_to_a_large_lse():
     """In float32, with row LSEs near 1000 (scores of that size) and one partial dominating, the merge
     stays within a few ulps of the float64 merge of the same float32 partials: weights taken against
     a rounded logaddexp would be off by e^(ulp(1000)) = 1 + 6e-5."""
@@ -405,8 +405,8 @@ def test_merge_partials_in_float32_does_not_lose_digits_to_a_large_lse():
     o_a, o_b = (torch.randn(rows, 16, generator=g) for _ in range(2))
     lse_a = 1000 + torch.rand(rows, generator=g)
     lse_b = lse_a - torch.rand(rows, generator=g) * 40  # from even to e^-40 of the first
-    o_m, lse_m = fd.merge_partials(o_a, lse_a, o_b, lse_b)
-    o_64, lse_64 = fd.merge_partials(*(x.double() for x in (o_a, lse_a, o_b, lse_b)))
+    o_m, lse_m = fd.merge_pair(o_a, lse_a, o_b, lse_b)
+    o_64, lse_64 = fd.merge_pair(*(x.double() for x in (o_a, lse_a, o_b, lse_b)))
     assert o_m.dtype == torch.float32
     assert (o_m.double() - o_64).abs().max() < 1e-6  # |o| ~ 1: a few float32 ulps
     assert (lse_m.double() - lse_64).abs().max() <= 2 * 1000 * torch.finfo(torch.float32).eps

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import flashattn
 from flashattn import _config
-from flashattn.backward import attention_backward
-from flashattn.forward import attention_forward
+from flashattn.backward import launch_backward as attention_backward
+from flashattn.forward import launch_forward as attention_forward
 from flashattn.problem import Problem
 from flashattn.reference import naive_attention
 from flashattn.testing import assert_close_ratio, random_qkv, rel_err
@@ -202,7 +202,7 @@ def test_dirty_padding_never_reaches_the_gradients(causal, fill):
 def test_public_api_reaches_the_kernels(causal, monkeypatch):
     """flashattn.attention, through torch.autograd, calls these very kernels forward and backward."""
     calls = {"fwd": 0, "bwd": 0}
-    fwd, bwd = flashattn.forward.attention_forward, flashattn.backward.attention_backward
+    fwd, bwd = flashattn.forward.launch_forward, flashattn.backward.launch_backward
 
     def counting_fwd(*args):
         calls["fwd"] += 1
@@ -248,7 +248,7 @@ def test_inputs_descriptors_cannot_read_are_copied(causal):
     copied into padded buffers before the launch; the results must be as exact as for any input.
     D = 20 in fp16 is a 40-byte row: even the contiguous tensor needs the padded copy.
     """
-    from flashattn._triton import addressable as _addressable, describable as _describable
+    from flashattn.tensors import addressable as _addressable, describable as _describable
 
     b, h, n, d = (1, 4, 1000, 64) if HAS_CUDA else (1, 2, 37, 16)
     views = _misaligned_views(b, h, n, d, torch.float16)
@@ -272,21 +272,22 @@ def test_fast_descriptor_is_the_checked_one(monkeypatch):
     checks; every field must equal what the checking constructor makes, for dense and strided views."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from flashattn import _config, _triton
+    from flashattn import _config, tensors
+    from flashattn import launch as launch_mod
 
-    assert _triton._descriptor_defaults() is not None  # this Triton takes the fast path
+    assert tensors._descriptor_defaults() is not None  # this Triton takes the fast path
     base = torch.randn(2, 24, 3, 64, dtype=torch.float16)
     views = (torch.randn(2, 3, 24, 64, dtype=torch.float16), base.transpose(1, 2), base[:, 8:].transpose(1, 2))
     monkeypatch.setattr(_config, "is_interpreter", lambda: False)
     for x in views:
-        assert _triton.describable(x)
-        fast = _triton.tile_desc(x, 16, 64)
+        assert tensors.describable(x)
+        fast = tensors.tile_desc(x, 16, 64)
         checked = TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 16, 64])
         assert type(fast) is TensorDescriptor and fast.base is x
         assert {k: v for k, v in vars(fast).items() if k not in ("base", "flashattn_key")} == {
             k: v for k, v in vars(checked).items() if k != "base"}
-        assert fast.flashattn_key == _triton._descriptor_key(checked)  # the launch cache's key of it
-    desc = _triton.Descriptors(64)
+        assert fast.flashattn_key == tensors._descriptor_key(checked)  # the launch cache's key of it
+    desc = tensors.Descriptors(64)
     q = views[0]
     assert desc(q, 16) is desc(q, 16) and desc(q, 32) is not desc(q, 16)
     assert desc(views[1], 16) is not desc(q, 16)
@@ -299,17 +300,18 @@ def test_launch_signature_separates_what_triton_specializes_on(monkeypatch):
     integer within 32 bits, a tensor's data beyond its alignment)."""
     from types import SimpleNamespace
 
-    from flashattn import _triton
+    from flashattn import device_helpers, tensors
+    from flashattn import launch as launch_mod
 
-    monkeypatch.setattr(_triton, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch_mod, "_current_device", lambda: 0)
     kernel = SimpleNamespace(params=[SimpleNamespace(num=3, do_not_specialize=True)])
     buf = torch.zeros(64, dtype=torch.float16)
     x = torch.zeros(2, 3, 8, 16, dtype=torch.float16)
-    desc = _triton.tile_desc(x, 8, 16, checked=True)
+    desc = tensors.tile_desc(x, 8, 16, checked=True)
 
     def key(args=None, constexprs=None, options=None):
         args = args if args is not None else (desc, buf, 7, 5, 0.5)
-        return _triton._signature(kernel, args, constexprs or {"C": True}, options or {"num_warps": 4})
+        return launch_mod._signature(kernel, args, constexprs or {"C": True}, options or {"num_warps": 4})
 
     base = key()
     assert key() == base
@@ -320,16 +322,16 @@ def test_launch_signature_separates_what_triton_specializes_on(monkeypatch):
     assert key((desc, buf[1:], 7, 5, 0.5)) != base  # 2 bytes further: not 16-byte aligned
     assert key((desc, buf.float(), 7, 5, 0.5)) != base  # another dtype
     y = torch.zeros(2, 3, 16, 16, dtype=torch.float16)
-    assert key((_triton.tile_desc(y, 8, 16, checked=True), buf, 7, 5, 0.5)) != base  # another shape
-    assert key((_triton.tile_desc(x, 4, 16, checked=True), buf, 7, 5, 0.5)) != base  # another block
+    assert key((tensors.tile_desc(y, 8, 16, checked=True), buf, 7, 5, 0.5)) != base  # another shape
+    assert key((tensors.tile_desc(x, 4, 16, checked=True), buf, 7, 5, 0.5)) != base  # another block
     z = torch.zeros(2, 8, 3, 16, dtype=torch.float16).transpose(1, 2)
-    assert key((_triton.tile_desc(z, 8, 16, checked=True), buf, 7, 5, 0.5)) != base  # other strides
+    assert key((tensors.tile_desc(z, 8, 16, checked=True), buf, 7, 5, 0.5)) != base  # other strides
     assert key(constexprs={"C": False}) != base and key(options={"num_warps": 8}) != base
     assert key((desc, buf, True, 5, 0.5)) != key((desc, buf, 1, 5, 0.5))  # a bool is not the int it equals
     # a descriptor made elsewhere (no key stored by tile_desc) is keyed the same
     from triton.tools.tensor_descriptor import TensorDescriptor
     assert key((TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 8, 16]), buf, 7, 5, 0.5)) == base
-    monkeypatch.setattr(_triton, "_current_device", lambda: 1)
+    monkeypatch.setattr(launch_mod, "_current_device", lambda: 1)
     assert key() != base
 
 
@@ -800,7 +802,8 @@ def test_a_recipe_zeroes_a_tile_counter_of_its_own_at_every_replay(monkeypatch):
     from types import SimpleNamespace
 
     from benchmarks.hostcost import _NoLaunch
-    from flashattn import _triton
+    from flashattn import device_helpers, tensors
+    from flashattn import launch as launch_mod
 
     seen = []
 
@@ -813,33 +816,33 @@ def test_a_recipe_zeroes_a_tile_counter_of_its_own_at_every_replay(monkeypatch):
 
     kernel = SimpleNamespace(arg_names=["inp", "out", "counter"])
     direct = Reading(capture=True).direct(kernel)
-    monkeypatch.setattr(_triton, "_RECIPES", {})
-    monkeypatch.setattr(_triton, "_stream", lambda device: 0)
+    monkeypatch.setattr(launch_mod, "_RECIPES", {})
+    monkeypatch.setattr(launch_mod, "_stream", lambda device: 0)
     empty = torch.empty_strided
     monkeypatch.setattr(torch, "empty_strided", lambda *a, **k: empty(*a, **k).fill_(7))  # stale memory
 
     inp = torch.randn(4, 8)
-    out, counter = torch.empty(8, 4).t(), _triton.tile_counter(inp.device)  # a transposed output layout
+    out, counter = torch.empty(8, 4).t(), tensors.tile_counter(inp.device)  # a transposed output layout
     assert counter.dtype == torch.int32 and counter.tolist() == [0]
-    record = _triton.Recording("key")
+    record = launch_mod.Recording("key")
     record.add(kernel, direct, (1, 1, 1), (inp, out, counter))
     record.add_counter(counter)
     record.keep((inp,), (out,))
-    recipe = _triton._RECIPES["key"]
+    recipe = launch_mod._RECIPES["key"]
     assert recipe is not None and recipe.n_counters == 1 and len(recipe.layouts) == 1
     for _ in range(3):
-        replayed = _triton.replay("key", (torch.randn(4, 8),))
+        replayed = launch_mod.replay("key", (torch.randn(4, 8),))
         assert len(replayed) == 1 and replayed[0].shape == (4, 8) and replayed[0].stride() == (1, 4)
         assert (replayed[0] == 7).all()  # an output is the kernel's to write: not zeroed
     assert seen == [0, 0, 0]  # each replay's launch found its counter zeroed
 
-    monkeypatch.setattr(_triton, "_RECIPES", {})
-    record = _triton.Recording("side")
+    monkeypatch.setattr(launch_mod, "_RECIPES", {})
+    record = launch_mod.Recording("side")
     record.side = object()  # the launch goes to a side stream (on_stream)
     record.add(kernel, direct, (1, 1, 1), (inp, out, counter))
     record.add_counter(counter)
     record.keep((inp,), (out,))
-    assert "side" not in _triton._RECIPES
+    assert "side" not in launch_mod._RECIPES
 
 
 def _stub_gluon_forward_launch(monkeypatch, launches: list) -> None:
@@ -898,7 +901,7 @@ def test_calls_keep_no_tensor_past_their_end(monkeypatch):
     and replayed calls, and the Gluon causal forward's host code (its kernel stubbed), on the CPU with
     benchmarks.hostcost's no-op launches."""
     from benchmarks import hostcost
-    from flashattn import _triton, hopper_fwd
+    from flashattn import device_helpers, launch as launch_mod, tensors, hopper_fwd
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the tool refuses the interpreter; kernels count as compiled
     _stub_gluon_forward_launch(monkeypatch, [])
@@ -915,10 +918,10 @@ def test_calls_keep_no_tensor_past_their_end(monkeypatch):
             cache = [torch.randn(2, 96, 2, 64, dtype=torch.float16, generator=gen) for _ in range(2)]
             flashattn.attention_with_kvcache(q, *cache, cache_seqlens=70, num_splits=2)
         q, k, v = (torch.randn(4, 8, 512, 128, dtype=torch.bfloat16, generator=gen) for _ in range(3))
-        record = _triton.Recording("gluon")
+        record = launch_mod.Recording("gluon")
         hopper_fwd.forward(q, k, v, True, record=record)  # a dynamic walk: its tile counter
         del record, q, k, v, o, lse, cache
-        assert _triton._RECIPES  # recipes were kept, and hold no tensor
+        assert launch_mod._RECIPES  # recipes were kept, and hold no tensor
         assert _tensors_kept_by_the_package() == []
     assert _tensors_kept_by_the_package() == []
 
@@ -932,24 +935,25 @@ def test_subclass_and_numpy_arguments_on_the_compiled_path(monkeypatch):
     import numpy as np
 
     from benchmarks import hostcost
-    from flashattn import _triton
+    from flashattn import device_helpers, tensors
+    from flashattn import launch as launch_mod
 
     class Tagged(torch.Tensor):
         pass
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the tool refuses the interpreter; kernels count as compiled
-    monkeypatch.setattr(_triton, "_RECIPES", {})
+    monkeypatch.setattr(launch_mod, "_RECIPES", {})
     gen = torch.Generator().manual_seed(4)
     with hostcost.launches_disabled():
         q, k, v = (torch.randn(1, 2, 40, 32, dtype=torch.float16, generator=gen) for _ in range(3))
         for _ in range(2):
             assert type(flashattn.attention(q, k, v)) is torch.Tensor
-        assert _triton._RECIPES  # the plain call's launches were recorded
+        assert launch_mod._RECIPES  # the plain call's launches were recorded
         for _ in range(2):
             assert type(flashattn.attention(q.as_subclass(Tagged), k, v)) is Tagged
         q = torch.randn(2, 1, 4, 32, dtype=torch.float16, generator=gen)
         cache = [torch.randn(2, 64, 2, 32, dtype=torch.float16, generator=gen) for _ in range(2)]
-        _triton._RECIPES.clear()
+        launch_mod._RECIPES.clear()
         flashattn.attention_with_kvcache(q, *cache, cache_seqlens=np.int64(40), num_splits=np.int64(2))
 
 
@@ -967,18 +971,19 @@ def test_plan_cache_is_bounded(monkeypatch):
 
 
 def test_direct_launch_only_for_the_launcher_it_knows():
-    """The direct launch (flashattn._triton._DirectLaunch) is built only from a compiled kernel whose
+    """The direct launch (flashattn.launch._DirectLaunch) is built only from a compiled kernel whose
     launcher has the layout it was written for; anything else keeps Triton's own launch path. A launch
     hook counts as set unless it is None or an empty hook chain."""
     from types import SimpleNamespace
 
-    from flashattn import _triton
+    from flashattn import device_helpers, tensors
+    from flashattn import launch as launch_mod
 
-    assert _triton._DirectLaunch.of(SimpleNamespace(), 3) is None  # no launcher at all
+    assert launch_mod._DirectLaunch.of(SimpleNamespace(), 3) is None  # no launcher at all
     fake_run = type("CudaLauncher", (), {"global_scratch_size": 0, "profile_scratch_size": 0})()
-    assert _triton._DirectLaunch.of(SimpleNamespace(_run=fake_run), 3) is None  # no generated launch function
-    assert _triton._no_hook(None) and _triton._no_hook(SimpleNamespace(calls=[]))
-    assert not _triton._no_hook(SimpleNamespace(calls=[print])) and not _triton._no_hook(print)
+    assert launch_mod._DirectLaunch.of(SimpleNamespace(_run=fake_run), 3) is None  # no generated launch function
+    assert launch_mod._no_hook(None) and launch_mod._no_hook(SimpleNamespace(calls=[]))
+    assert not launch_mod._no_hook(SimpleNamespace(calls=[print])) and not launch_mod._no_hook(print)
 
 
 # (B, Hq, Hkv, N, M, D, layout, problem keywords, what the second call passes)
@@ -995,7 +1000,7 @@ REPLAY_CASES = [
 
 @pytest.mark.parametrize("b, h_q, h_kv, n, m, d, layout, kw, second", REPLAY_CASES)
 def test_replayed_launches_are_the_full_paths(monkeypatch, b, h_q, h_kv, n, m, d, layout, kw, second):
-    """A launcher call repeated from its recipe (flashattn._triton.Recipe) hands the generated C launcher
+    """A launcher call repeated from its recipe (flashattn.launch.Recipe) hands the generated C launcher
     exactly what the full path hands it for the same tensors: every pointer, TMA descriptor, integer,
     float and the call's own dropout seed, for the forward and the backward's three kernels (with a
     gradient for the LSE). A call whose input is misaligned takes the full path; calls that pass
@@ -1053,12 +1058,14 @@ def test_replayed_launches_are_the_full_paths(monkeypatch, b, h_q, h_kv, n, m, d
 
 @gpu
 @needs_cuda
-def test_gpu_direct_launch_matches_tritons_launch(monkeypatch):
-    """Launching a compiled kernel directly gives bitwise what Triton's launch path gives (forward,
+def test_gpu_fast_path_matches_tritons_launch(monkeypatch):
+    """Launching through the fallback (``kernel[grid](...)`` alone, :func:`flashattn.launch.fast_path`
+    off) and through the fast path gives bitwise the same results (forward,
     the backward's three kernels, descriptors of every tile shape, a transposed layout, padded D,
     GQA, a window, softcap and dropout), and steps aside while a launch hook is set, so the hook
     still sees every launch."""
-    from flashattn import _triton
+    from flashattn import device_helpers, tensors
+    from flashattn import launch as launch_mod
 
     cases = [((2, 4, 4, 300, 300, 64), dict(causal=True), "bhnd"),
              ((1, 8, 2, 128, 513, 40), dict(causal=True), "bhnd"),
@@ -1068,15 +1075,17 @@ def test_gpu_direct_launch_matches_tritons_launch(monkeypatch):
     for shape, kw, layout in cases:
         q, k, v, do = _inputs(*shape, torch.bfloat16, layout=layout, seed=31)
         runs = []
-        for direct in (False, True):
-            monkeypatch.setattr(_triton, "_DIRECT", [direct])
-            qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-            o, lse = flashattn.attention(qq, kk, vv, return_lse=True, **kw)
-            runs.append((o, lse, *torch.autograd.grad(o, (qq, kk, vv), do)))
-        for a, b in zip(*runs):
-            assert torch.isfinite(a).all() or a.dtype == torch.float32
-            assert torch.equal(a, b)
-    if not any(entry[2] is not None for entry in _triton._COMPILED.values()):
+        for fast in (False, True):
+            with launch_mod.fast_path(fast):
+                for _ in range(2):  # the first call of a signature compiles and records, the second replays
+                    qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+                    o, lse = flashattn.attention(qq, kk, vv, return_lse=True, **kw)
+                    runs.append((o, lse, *torch.autograd.grad(o, (qq, kk, vv), do)))
+        for run in runs[1:]:
+            for a, b in zip(runs[0], run):
+                assert torch.isfinite(a).all() or a.dtype == torch.float32
+                assert torch.equal(a, b)
+    if not any(entry[2] is not None for entry in launch_mod._COMPILED.values()):
         pytest.skip("this Triton's launcher is not the one _DirectLaunch was written for: nothing launched directly")
     q, k, v, _ = _inputs(1, 4, 4, 128, 128, 64, torch.float16, seed=3)
     assert _launches_a_hook_sees(lambda: flashattn.attention(q, k, v, causal=True)) == 1
@@ -1103,12 +1112,13 @@ def _launches_a_hook_sees(fn) -> int:
 @gpu
 @needs_cuda
 def test_gpu_replayed_calls_match_the_full_path(monkeypatch):
-    """Calls repeated from their recipes (flashattn._triton.Recipe) give bitwise the outputs and
+    """Calls repeated from their recipes (flashattn.launch.Recipe) give bitwise the outputs and
     gradients of the full launch path, in the settings of the direct-launch test plus ALiBi and a
     gradient of the LSE, with another dropout seed on every call, and large calls whose backward runs
     dQ on a second stream and whose kernels are the Gluon ones on an H200; a replayed call makes no
     cache key; and while a launch hook is set the call takes Triton's path, so the hook sees its launch."""
-    from flashattn import _triton
+    from flashattn import device_helpers, tensors
+    from flashattn import launch as launch_mod
 
     class NeverKept(dict):
         def __setitem__(self, key, value):  # every call records and keeps nothing: the full path
@@ -1139,20 +1149,20 @@ def test_gpu_replayed_calls_match_the_full_path(monkeypatch):
 
         runs = []
         for keep in (False, True):
-            monkeypatch.setattr(_triton, "_RECIPES", {} if keep else NeverKept())
+            monkeypatch.setattr(launch_mod, "_RECIPES", {} if keep else NeverKept())
             call(7), call(8)  # compile, then record
             signatures = []
             with monkeypatch.context() as m:
-                m.setattr(_triton, "_signature", lambda *a, f=_triton._signature: signatures.append(1) or f(*a))
+                m.setattr(launch_mod, "_signature", lambda *a, f=launch_mod._signature: signatures.append(1) or f(*a))
                 runs.append(call(2**40 + 9))
-            if keep and any(entry[2] is not None for entry in _triton._COMPILED.values()):
-                assert len([r for r in _triton._RECIPES.values() if r is not None]) == 2
+            if keep and any(entry[2] is not None for entry in launch_mod._COMPILED.values()):
+                assert len([r for r in launch_mod._RECIPES.values() if r is not None]) == 2
                 assert signatures == []  # both passes replayed
         for a, b in zip(*runs):
             assert torch.isfinite(a).all() or a.dtype == torch.float32
             assert not torch.isnan(a).any()
             assert torch.equal(a, b)
-    if not _triton._RECIPES:
+    if not launch_mod._RECIPES:
         pytest.skip("this Triton's launcher is not the one _DirectLaunch was written for: nothing replayed")
     with torch.no_grad():
         assert _launches_a_hook_sees(lambda: flashattn.attention(q, k, v, **kw)) == 1
@@ -1221,7 +1231,6 @@ def _on_hopper(monkeypatch):
     """Make flashattn._config.gluon_kernel see an sm_90 GPU with Gluon available, on any machine."""
     monkeypatch.setattr(_config, "is_interpreter", lambda: False)
     monkeypatch.setattr(_config, "_capability", lambda index: (9, 0))
-    monkeypatch.setattr(_config, "_gluon_available", lambda kernel: True)
     monkeypatch.setattr(_config, "_GLUON", {})
 
 
@@ -1353,7 +1362,7 @@ def test_hopper_forward_persistent_matches_float64_and_one_cta_per_block(monkeyp
     or two Q buffers) gives the same bits as one CTA per block, and float64's answer, with either
     mask and where blocks have unequal work; a dynamic walk twice in a row gives them again, drawing
     from one counter that no call zeroes (handed to it here): its last draw leaves it at zero."""
-    from flashattn import _triton, hopper_fwd
+    from flashattn import device_helpers, launch as launch_mod, tensors, hopper_fwd
 
     if _WALKS[walk].get("q_buffers") == 2 and d > 128:
         pytest.skip("two Q buffers fit shared memory up to D = 128")
@@ -1361,9 +1370,9 @@ def test_hopper_forward_persistent_matches_float64_and_one_cta_per_block(monkeyp
     if not hopper_fwd.supported(q, k, v, causal):
         pytest.skip("the Gluon forward runs on sm_90 with Triton 3.6 only")
     o1, lse1 = hopper_fwd.forward(q, k, v, causal, persistent=False)
-    counter = _triton.tile_counter(q.device)
+    counter = tensors.tile_counter(q.device)
     if _WALKS[walk]["dynamic"]:
-        monkeypatch.setattr(_triton, "tile_counter", lambda device: counter)  # one counter for both calls
+        monkeypatch.setattr(tensors, "tile_counter", lambda device: counter)  # one counter for both calls
     for _ in range(2 if _WALKS[walk]["dynamic"] else 1):
         o, lse = hopper_fwd.forward(q, k, v, causal, **_WALKS[walk])
         assert torch.equal(o, o1) and torch.equal(lse, lse1)
@@ -1524,7 +1533,7 @@ def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d,
     """hopper_fwd.forward's host code up to the launch, on the CPU (the kernel, the descriptors and
     the SM count stubbed): the grid, the walk's constexprs (the Q buffers included), the section and
     for a dynamic walk a zeroed counter of its own, which a recording keeps as the call's counter."""
-    from flashattn import _triton, hopper_fwd
+    from flashattn import device_helpers, launch as launch_mod, tensors, hopper_fwd
 
     launches = []
     _stub_gluon_forward_launch(monkeypatch, launches)
@@ -1538,7 +1547,7 @@ def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d,
     assert bh == 256 and sect == section
     if dynamic:
         assert counter.dtype == torch.int32 and counter.tolist() == [0] and counter is not lse
-        record = _triton.Recording("key")
+        record = launch_mod.Recording("key")
         hopper_fwd.forward(q, k, v, causal, record=record, **kw)
         again = launches[-1][2][5]
         assert again.tolist() == [0] and again is not counter  # a counter per call
@@ -1648,7 +1657,8 @@ def test_gpu_replayed_gluon_causal_forwards_on_two_streams_and_in_a_graph():
     """The public forward's Gluon causal kernel, each call with a tile counter of its own: replayed
     calls on two streams at once, calls on the default stream between the replays of a graph captured
     on a side stream, and the graph's replays all give the bits of the first call."""
-    from flashattn import _triton
+    from flashattn import device_helpers, tensors
+    from flashattn import launch as launch_mod
 
     inputs = [_inputs(4, 32, 8, 2048, 2048, 128, torch.bfloat16, seed=41 + i)[:3] for i in range(2)]
     if not _gluon_dispatched(inputs[0][0], inputs[0][1], True, ("fwd",))["fwd"]:
@@ -1665,7 +1675,7 @@ def test_gpu_replayed_gluon_causal_forwards_on_two_streams_and_in_a_graph():
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(captured, expected[0]))
         assert all(torch.equal(a, b) for a, b in zip(eager, expected[1]))
-    assert _triton._RECIPES  # the calls were replayed, not only recorded
+    assert launch_mod._RECIPES  # the calls were replayed, not only recorded
 
 
 @gpu
@@ -1698,6 +1708,7 @@ def test_gluon_kernels_at_the_default_bar_match_float64_and_repeat_bitwise(causa
         torch.cuda.synchronize()
         assert torch.equal(og, o) and torch.equal(lseg, lse)
         assert all(torch.equal(a, b) for a, b in zip(grads, first))
-    from flashattn import _triton
+    from flashattn import launch as launch_mod
 
-    assert _triton._FAST_LAUNCH[0] and _triton._DIRECT[0]  # a Gluon launch never turned them off
+    # no launch fell back to Triton's own path for good
+    assert all(entry[1] is not None and entry[2] is not None for entry in launch_mod._COMPILED.values())

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flashattn
-from flashattn import ops, schedule
+from flashattn import custom_ops, schedule
 from flashattn.autograd import dense_like
 from flashattn.reference import naive_attention
 from flashattn.testing import assert_close_ratio, random_qkv
@@ -86,15 +86,15 @@ def test_operator_problems_are_kept_per_signature_and_never_mixed():
     object, and every argument that describes a call gives a Problem of its own, equal to a fresh one."""
     q, k, _ = _qkv(2, 4, 2, 8, 12, 16, torch.float16, seed=1)
     base = (q, k, True, 0.25, -1, -1, 0.0, None, 0.0)
-    assert ops._problem(*base) is ops._problem(*base)
+    assert custom_ops._problem(*base) is custom_ops._problem(*base)
     variants = [base, (q, k, False, *base[3:]), (q, k, True, 0.5, *base[4:]), (*base[:4], 3, 0, *base[6:]),
                 (*base[:6], 30.0, None, 0.0), (*base[:7], torch.ones(4), 0.0), (*base[:8], 0.25),
                 (q[:, :, :5], *base[1:]), (q, k[:, :, :7], *base[2:]), (q.float(), *base[1:])]
-    got = [ops._problem(*args) for args in variants]
+    got = [custom_ops._problem(*args) for args in variants]
     assert len(set(got)) == len(variants)
     for args, problem in zip(variants, got):
-        ops._PROBLEMS.clear()
-        assert ops._problem(*args) == problem
+        custom_ops._PROBLEMS.clear()
+        assert custom_ops._problem(*args) == problem
 
 
 def test_compiled_graph_takes_no_float_input_without_dropout():

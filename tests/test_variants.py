@@ -18,14 +18,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashattn
-from flashattn import _triton, reference, schedule
+from flashattn import device_helpers, launch as launch_mod, tensors, reference, schedule
 from flashattn.problem import Problem
-from flashattn.reference import dropout_keep, dropout_keep_mask, naive_attention, online_backward, online_forward
+from flashattn.reference import dropout_keep_at, dropout_keep_mask, naive_attention, online_backward, online_forward
 from flashattn.testing import assert_block_grid_is_exact, assert_close_ratio, random_qkv
 
 from devices import DEVICE, cpu_only, gpu, needs_cuda
 
-device_keep = _triton.dropout_keep  # a module global, so the test kernel below can call it
+device_keep = device_helpers.dropout_keep  # a module global, so the test kernel below can call it
 
 
 def _inputs(b, h_q, h_kv, n, m, d, dtype, *, std=1.0, seed=0, layout="bhnd", device=DEVICE):
@@ -262,7 +262,7 @@ def test_kernel_keep_mask_matches_the_reference_at_large_counters():
 
     seed, p = 2**40 + 77, 0.37
     for i_bh, row0, col0 in ((0, 0, 0), (70_000, 1_000_000, 3_000_000), (2**31 - 1, 2**31 - 64, 2**31 - 32)):
-        want = dropout_keep(seed, i_bh, torch.arange(row0, row0 + 16)[:, None], torch.arange(col0, col0 + 32)[None, :], p)
+        want = dropout_keep_at(seed, i_bh, torch.arange(row0, row0 + 16)[:, None], torch.arange(col0, col0 + 32)[None, :], p)
         for bn in (16, 32):  # one tile or two tiles of keys: the same bits
             for transposed in (False, True):
                 out = torch.empty(32 // bn, bn, 16, dtype=torch.int8) if transposed else torch.empty(32 // bn, 16, bn, dtype=torch.int8)
@@ -302,9 +302,9 @@ def test_drop_probability_rounds_down_to_sixteen_bits():
     assert dropout_threshold(0.25) == 2**14 and dropout_threshold(0.1) == 6553
     assert dropout_threshold(2.0**-17) == 0 and dropout_threshold(1 - 2.0**-16) == 2**16 - 1
     # p = 1/4 exactly: over 2^16 entries of one row the count of drops is near 1/4 of them
-    keep = dropout_keep(7, 0, torch.zeros(1, 1, dtype=torch.int64), torch.arange(2**16)[None, :], 0.25)
+    keep = dropout_keep_at(7, 0, torch.zeros(1, 1, dtype=torch.int64), torch.arange(2**16)[None, :], 0.25)
     assert abs((~keep).float().mean().item() - 0.25) < 5 * math.sqrt(0.25 * 0.75 / 2**16)
-    assert dropout_keep(7, 0, torch.zeros(1, 1, dtype=torch.int64), torch.arange(4096)[None, :], 2.0**-17).all()
+    assert dropout_keep_at(7, 0, torch.zeros(1, 1, dtype=torch.int64), torch.arange(4096)[None, :], 2.0**-17).all()
 
 
 # ----------------------------------------------------------------------------------------------

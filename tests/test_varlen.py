@@ -135,7 +135,8 @@ def test_sequence_of_tile_never_lands_on_an_empty_sequence():
 import triton  # noqa: E402  (after conftest chose the interpreter)
 import triton.language as tl  # noqa: E402
 
-from flashattn._triton import packed_tile, tile_offsets  # noqa: E402
+from flashattn.device_helpers import packed_tile
+from flashattn.tensors import tile_offsets  # noqa: E402
 
 
 @triton.jit
@@ -152,7 +153,7 @@ def _probe_packed_tile(OUT, TILE_OFFSETS, CU_Q, CU_K, N_SEQS, BLOCK: tl.constexp
 
 @pytest.mark.parametrize("pack", PACKS, ids=lambda p: "-".join(map(str, p[0])))
 def test_compiled_packed_tile_matches_the_host_mirror(pack):
-    """The jitted packed_tile (flashattn._triton) gives every program what the host function gives it."""
+    """The jitted packed_tile (flashattn.device_helpers) gives every program what the host function gives it."""
     lens_q, lens_k = pack
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     block = 16

@@ -1,0 +1,91 @@
+"""The package's import contract: its layers import one way, down.
+
+The design page draws these layers (docs/kernels/design.md, "Layers"); this test reads every import
+of every module of ``flashattn`` (module level and inside functions, and ``importlib`` calls with a
+literal name) and fails on one that points up, or at a module the drawing does not place.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+import flashattn
+
+PACKAGE = pathlib.Path(flashattn.__file__).parent
+
+# Top to bottom. A module may import its own layer and the layers below it.
+LAYERS = (
+    ("entry points", {"__init__", "api", "varlen", "decode", "distributed"}),
+    ("autograd and custom operators", {"autograd", "custom_ops"}),
+    ("launchers and kernels", {"forward", "backward", "decode_kernels", "hopper_fwd", "hopper_bwd", "_config",
+                               "launch", "tensors"}),
+    ("device helpers", {"device_helpers"}),
+    ("description and schedule", {"problem", "schedule", "constants", "_memo", "cost"}),
+)
+# Beside the layers: the PyTorch references and the test helpers read the description and the
+# schedule; no launcher, kernel or helper below autograd imports them.
+BESIDE = {"reference": "description and schedule", "testing": "description and schedule"}
+
+
+def _layer_of(module: str) -> int | None:
+    for depth, (_, members) in enumerate(LAYERS):
+        if module in members:
+            return depth
+    return None
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The ``flashattn`` modules ``path`` imports, by their name inside the package."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            names = [node.args[0].value]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "flashattn" and len(parts) > 1 and (PACKAGE / f"{parts[1]}.py").exists():
+                found.add(parts[1])
+    found.discard(path.stem)
+    return found
+
+
+MODULES = sorted(p.stem for p in PACKAGE.glob("*.py"))
+
+
+def test_every_module_has_a_place_in_the_drawing():
+    placed = set().union(*(members for _, members in LAYERS)) | set(BESIDE)
+    assert set(MODULES) <= placed, f"place these modules in a layer: {sorted(set(MODULES) - placed)}"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_imports_point_down(module):
+    imported = _imports(PACKAGE / f"{module}.py")
+    if module in BESIDE:
+        floor = _layer_of(next(iter(LAYERS[-1][1])))
+        bad = {m for m in imported if m in BESIDE or _layer_of(m) != floor}
+        assert not bad, f"{module} (beside the layers) may import only the description and schedule, not {sorted(bad)}"
+        return
+    depth = _layer_of(module)
+    for other in imported:
+        if other in BESIDE:
+            assert depth <= 1, f"{module} ({LAYERS[depth][0]}) imports {other}: only the entry points and autograd may"
+            continue
+        assert _layer_of(other) >= depth, (f"{module} ({LAYERS[depth][0]}) imports {other} "
+                                           f"({LAYERS[_layer_of(other)][0]}), a layer above it")
+
+
+def test_the_contract_can_fail(tmp_path, monkeypatch):
+    """The reader sees an upward import inside a function and through importlib (negative control)."""
+    bad = tmp_path / "forward.py"
+    bad.write_text("def f():\n    from flashattn import autograd\n    import importlib\n"
+                   "    importlib.import_module('flashattn.api')\n")
+    assert _imports(bad) == {"autograd", "api"}
