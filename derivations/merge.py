@@ -36,10 +36,10 @@ from ._common import holds, is_zero_with_exps, mp_matrix
 from ._result import CheckResult, Ledger
 
 IDENTITY = ("merge of partial (o, LSE): exact, associative, −∞ for empty partials; shard backward with the "
-            "global LSE and D sums to the full gradient")
+            "global LSE and δ sums to the full gradient")
 METHOD = "explicit symbols (SymPy, exp/log eliminated exactly); mpmath 40 digits with central differences; float64"
 NEGATIVE = ("o = o_A + o_B; L = max(L_A, L_B); unguarded pivot on empty partials; shard backward with the "
-            "shard's own LSE, own D, or both")
+            "shard's own LSE, own δ, or both")
 
 NEG_INF = float("-inf")
 
@@ -273,7 +273,7 @@ def check() -> CheckResult:
                  lambda: mpmath_merge_route(merge_pair))
     ledger.claim("float64: empty ⊕ empty = (0, −∞) without NaN; L ≈ 800 does not overflow",
                  lambda: float_empty_route(merge_pair))
-    ledger.claim("symbolic 2×3, shards {0,1} {2}: shard dS, dV with global LSE and D = ∂L/∂S, ∂L/∂V",
+    ledger.claim("symbolic 2×3, shards {0,1} {2}: shard dS, dV with global LSE and δ = ∂L/∂S, ∂L/∂V",
                  lambda: symbolic_backward_route(global_stats))
     ledger.claim("mpmath 40 digits, causal 6×6, shards 3+2+1: summed dQ, shard dK, dV = central differences",
                  lambda: mpmath_backward_route(global_stats))
@@ -305,7 +305,7 @@ def check() -> CheckResult:
     ledger.control("L = max(L_A, L_B): symbolic", lambda: not symbolic_merge_route(merge_max_lse))
     ledger.control("L = max(L_A, L_B): mpmath", lambda: not mpmath_merge_route(merge_max_lse))
     ledger.control("pivot −∞ for an empty merge: float64 NaN", lambda: not float_empty_route(merge_unguarded))
-    for name, wrong in (("shard's own LSE", local_lse), ("shard's own D", local_delta), ("own LSE and D", local_both)):
+    for name, wrong in (("shard's own LSE", local_lse), ("shard's own δ", local_delta), ("own LSE and δ", local_both)):
         ledger.control(f"{name}: symbolic", lambda: not symbolic_backward_route(wrong))
         ledger.control(f"{name}: mpmath", lambda: not mpmath_backward_route(wrong))
     # --8<-- [end:negative]

@@ -308,14 +308,14 @@ def test_backward_precision_emulation_matches_the_interpreter_kernels():
     Run the real kernels under the interpreter on a small head and require the same errors against
     float64: in float16 the interpreter keeps every rounding (P, dS, O), so it must agree with the full
     emulation and not with one that keeps P and dS in float32 (the negative control, about 1.4× less
-    error). A bfloat16 problem runs in float32 under the interpreter (flashattn._triton.
+    error). A bfloat16 problem runs in float32 under the interpreter (flashattn.tensors.
     interpreter_needs_float32), so there it must agree with the emulation without those two roundings."""
     import torch
 
     from derivations import backward_precision as bp
-    from flashattn import ops
+    from flashattn.autograd import use_kernels
 
-    if not ops.use_kernels(torch.zeros(1, dtype=torch.float16)):
+    if not use_kernels(torch.zeros(1, dtype=torch.float16)):
         pytest.skip("the kernels run on CPU tensors only under TRITON_INTERPRET=1")
 
     def errors(got, ref):
@@ -499,3 +499,14 @@ def test_masked_load_split_into_harmless_and_hazardous():
               "    return tl.load(p, mask=m)\n")                              # returned
     harmless, hazardous = undefined_lanes_that_escape(source)
     assert len(harmless) == 1 and len(hazardous) == 3
+
+
+def test_check_output_writes_delta_not_d(runner):
+    """The notation table's δ holds in the check output the pages embed: no standalone `D` for the row
+    term (a seed passage quoted between '…' keeps its own words)."""
+    _, payload = runner
+    standalone_d = re.compile(r"(?<![A-Za-z_0-9\-])D(?![A-Za-z_0-9])")
+    found = [(row["module"], text) for row in payload["rows"]
+             for text in [row["identity"], row["method"], row["negative_control"], *row["details"]]
+             if standalone_d.search(re.sub(r"'[^']*'|“[^”]*”", "", text))]
+    assert found == []
