@@ -191,8 +191,9 @@ def launches_disabled(capture: bool = False, replay: bool = True, second_stream:
     saved = dict(compiled=_triton._COMPILED, device=_triton._current_device, use=[m.use_kernels for m in users],
                  stream=_triton._stream, recipes=_triton._RECIPES, interpreted=_triton._interpreted,
                  current_stream=_triton._current_stream, stream_context=_triton._stream_context,
-                 second_stream=bwd_mod._second_stream)
+                 second_stream=bwd_mod._second_stream, fast_path=_triton._FAST_PATH)
     _triton._COMPILED, _triton._RECIPES = Compiled(), ({} if replay else Forgetful())
+    _triton._FAST_PATH = [True]  # the no-op launches stand in for the fast path on any Triton
     _triton._interpreted = lambda kernel: False  # kernels jitted under the interpreter (the tests') count as compiled
     _triton._current_device = tensors._current_device = lambda: 0
     _triton._stream = lambda device: current[-1].cuda_stream
@@ -211,6 +212,7 @@ def launches_disabled(capture: bool = False, replay: bool = True, second_stream:
         _triton._current_stream, _triton._stream_context = saved["current_stream"], saved["stream_context"]
         bwd_mod._second_stream = saved["second_stream"]
         _triton._interpreted = saved["interpreted"]
+        _triton._FAST_PATH = saved["fast_path"]
         for m, use in zip(users, saved["use"]):
             m.use_kernels = use
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flashattn.decode_kernels
-from flashattn import reference
+from flashattn import reference, schedule
 from flashattn.decode import attention_with_kvcache
 from flashattn.testing import assert_close_ratio
 
