@@ -158,3 +158,87 @@ def expected_display_equations(html: str) -> int:
         body = re.sub(r"<(pre|code)\b.*?</\1>", "", body, flags=re.S)
         count += body.count("$$") // 2
     return count
+
+
+# ------------------------------------------------------------------------------------------------
+# layout in the browser: clipped code blocks and tables, and the size of figure labels
+# ------------------------------------------------------------------------------------------------
+# Runs in the page. Opens every collapsed block and shows every tab, then, for each code block and
+# table of the article, finds the boxes between it and the article whose content is wider than they
+# are and that clip it (overflow other than visible). Such a box is fine only if it scrolls with the
+# cue of extra.css: a visible scrollbar and shadows painted by gradients, the covering ones attached
+# to the content ("local"). An element wider than the article with no clipping box spills out of the
+# column. The same check then runs with extra.css switched off: what the page would show without it.
+LAYOUT_JS = r"""
+document.querySelectorAll("details").forEach((e) => { e.open = true; });
+const style = document.createElement("style");
+style.textContent = ".md-typeset .tabbed-set > .tabbed-content > .tabbed-block { display: block !important; }";
+document.head.appendChild(style);
+const article = document.querySelector("article.md-content__inner");
+function cued(x) {
+  const cs = getComputedStyle(x);
+  return ["auto", "scroll"].includes(cs.overflowX) && cs.scrollbarWidth !== "none"
+    && (cs.backgroundImage.match(/gradient\(/g) || []).length >= 2 && cs.backgroundAttachment.includes("local");
+}
+function check() {
+  const res = {elements: 0, overflowing: 0, cued: 0, uncued: []};
+  for (const t of article.querySelectorAll("pre, table")) {
+    if (t.parentElement.closest("pre")) continue;
+    res.elements++;
+    const chain = [];
+    const code = t.tagName === "PRE" ? t.querySelector(":scope > code") : null;
+    if (code) chain.push(code);
+    for (let e = t; e && e !== article; e = e.parentElement) chain.push(e);
+    let bad = null, ok = false;
+    for (const x of chain) {
+      if (x.scrollWidth > x.clientWidth + 1 && getComputedStyle(x).overflowX !== "visible") {
+        if (cued(x)) ok = true; else bad = bad || x;
+      }
+    }
+    const spills = !ok && !bad && t.getBoundingClientRect().right > article.getBoundingClientRect().right + 1;
+    if (ok || bad || spills) res.overflowing++;
+    if (bad || spills) {
+      const what = bad ? `${bad.tagName.toLowerCase()}.${bad.className} clips it` : "it spills out of the column";
+      res.uncued.push(`${t.tagName.toLowerCase()} "${t.textContent.trim().slice(0, 50)}": ${what}`);
+    } else if (ok) res.cued++;
+  }
+  return res;
+}
+const imgs = [...article.querySelectorAll("img")].map((i) => ({src: i.currentSrc || i.src, width: i.getBoundingClientRect().width}));
+const after = check();
+const sheets = [...document.styleSheets].filter((s) => (s.href || "").endsWith("extra.css"));
+sheets.forEach((s) => { s.disabled = true; });
+const before = check();
+sheets.forEach((s) => { s.disabled = false; });
+return {articleWidth: article.clientWidth, sheets: sheets.length, after, before, imgs};
+"""
+
+_FIGURE_NOTE = re.compile(r"flashattn-figure: smallest-font-pt=([\d.]+) dpi=([\d.]+)")
+
+
+def figure_font(path: Path) -> tuple[float, float, float] | None:
+    """(smallest font in pt, units per inch, natural width in those units) that a figure of this site
+    records (see docs/hooks/figures.py and benchmarks/report.py), or None if it records none. The unit
+    is the image pixel for a PNG and the point for an SVG (its user unit)."""
+    data = path.read_bytes()
+    if path.suffix == ".svg":
+        text = data.decode("utf-8", errors="replace")
+        note, width = _FIGURE_NOTE.search(text), re.search(r'<svg\b[^>]*\bwidth="([\d.]+)pt"', text)
+        if not (note and width):
+            return None
+        return float(note.group(1)), float(note.group(2)), float(width.group(1))
+    if path.suffix == ".png":
+        from PIL import Image
+
+        with Image.open(path) as im:
+            note = _FIGURE_NOTE.search(str(im.info.get("Description", "")))
+            if not note:
+                return None
+            return float(note.group(1)), float(note.group(2)), float(im.width)
+    return None
+
+
+def label_px(font_pt: float, dpi: float, natural_width: float, rendered_width: float) -> float:
+    """Height in CSS pixels of text of `font_pt` points in a figure drawn at `dpi` units per inch,
+    `natural_width` units wide, and shown `rendered_width` CSS pixels wide."""
+    return font_pt * dpi / 72 * rendered_width / natural_width

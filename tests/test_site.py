@@ -303,18 +303,41 @@ def _site_hooks():
 
 
 def test_benchmarks_page_switches_when_results_appear(tmp_path, monkeypatch):
-    """The Benchmarks page is a placeholder without results and shows them, unedited, once they exist."""
+    """The Benchmarks page is a placeholder without results; once they exist it opens with the plots
+    and the first table of the summary, and the rest of the summary follows in collapsed blocks."""
     hooks = _site_hooks()
     results = tmp_path / "results"
     monkeypatch.setattr(hooks, "RESULTS", results)
     assert "No results yet" in hooks._benchmarks("")
     results.mkdir()
-    (results / "summary.md").write_text("## Benchmark results\n\n| N | TFLOP/s |\n|---|---|\n| 4096 | 512 |\n")
+    (results / "summary.md").write_text(
+        "## Benchmark results\n\nMeasured on **a GPU**.\n\nGrid: N in [4096].\n\n"
+        "### Ratios\n\n| N | ratio |\n|---|---|\n| 4096 | 1.25× |\n\n"
+        "### TFLOP/s\n\n#### float16\n\n| N | TFLOP/s |\n|---|---|\n| 4096 | 512 |\n")
     (results / "tflops_fwd_float16.png").write_bytes(b"\x89PNG\r\n\x1a\n")
     page = hooks._benchmarks("")
-    assert "No results yet" not in page
-    assert "### Benchmark results" in page and "| 4096 | 512 |" in page  # headings shifted under the page's own
-    assert "](benchmarks/tflops_fwd_float16.png)" in page
+    assert "No results yet" not in page and "## Benchmark results" not in page  # the page has its own heading
+    plot, table = page.index("](benchmarks/tflops_fwd_float16.png)"), page.index("| 4096 | 1.25× |")
+    assert page.index("Measured on **a GPU**.") < plot < page.index("### Ratios") < table
+    assert table < page.index('??? note "How this run was set up"') < page.index("    Grid: N in [4096].")
+    assert page.index('??? note "TFLOP/s"') < page.index("    **float16**") < page.index("    | 4096 | 512 |")
+
+
+def test_benchmarks_page_keeps_every_number_and_opens_one_table():
+    """The committed summary on the page: every number of summary.md is there, and one table is open
+    (every other line of a table sits in a collapsed block, indented)."""
+    import re
+    from collections import Counter
+
+    summary = ROOT / "benchmarks" / "results" / "summary.md"
+    if not summary.is_file():
+        pytest.skip("no committed benchmark summary")
+    page = _site_hooks()._benchmarks("")
+    numbers = lambda text: Counter(re.findall(r"\d+(?:\.\d+)?", text))  # noqa: E731
+    assert not numbers(summary.read_text(encoding="utf-8")) - numbers(page)
+    open_tables = [line for line in page.splitlines() if line.startswith("|---")]
+    assert len(open_tables) == 1, open_tables
+    assert page.count("??? note") >= 2
 
 
 def test_ring_page_shows_the_two_gpu_run_when_there_is_one(tmp_path, monkeypatch):
@@ -541,6 +564,97 @@ def test_browser_check_catches_broken_math(site, browser, tmp_path):
     assert "console" in text and "something broke" in text, text
     assert "1 display equations rendered, 2 expected" in text, text
     assert "TeX outside the typeset areas" in text and "Padding scored" in text, text
+
+
+@slow
+def test_browser_layout_at_1280(site, browser):
+    """At a 1280 x 900 window (a 688 px content column) no code block or table is cut off without a
+    cue, and the smallest text of every figure is at least 8 px high as the page shows it. Without
+    extra.css the same check must find clipped ones (it can fail), and every figure the site draws
+    must record its smallest font size (docs/hooks/figures.py, benchmarks/report.py)."""
+    from urllib.parse import unquote, urlsplit
+
+    pages = sorted(p for p in site.rglob("*.html") if "assets" not in p.relative_to(site).parts
+                   and p.name != "404.html")
+    server = _serve(site)
+    browser.set_window_size(1280, 900)
+    failures, rows = [], []
+    totals = {"elements": 0, "before": 0, "after": 0, "cued": 0, "figures": 0, "unmeasured": 0}
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}/"
+        for page in pages:
+            rel = page.relative_to(site).as_posix()
+            browser.get(base + (rel[: -len("index.html")] if rel.endswith("index.html") else rel))
+            browser.execute_async_script(_WAIT_FOR_MATHJAX)  # typeset math changes widths
+            info = browser.execute_script(site_checks.LAYOUT_JS)
+            if info["sheets"] != 1:
+                failures.append(f"{rel}: extra.css is not loaded")
+            failures += [f"{rel}: {u}" for u in info["after"]["uncued"]]
+            sizes, unmeasured = [], 0
+            for img in info["imgs"]:
+                url = urlsplit(img["src"])
+                if url.scheme == "data":
+                    unmeasured += 1  # a notebook's output: it records no font size
+                    continue
+                path = site / unquote(url.path.lstrip("/"))
+                font = site_checks.figure_font(path)
+                if font is None:
+                    failures.append(f"{rel}: {url.path} records no smallest font size")
+                elif img["width"] < 1:
+                    failures.append(f"{rel}: {url.path} is not shown")
+                else:
+                    px = site_checks.label_px(*font, img["width"])
+                    sizes.append(px)
+                    if px < 8:
+                        failures.append(f"{rel}: {url.path} shown {img['width']:.0f} px wide: labels {px:.1f} px")
+            before, after = info["before"], info["after"]
+            totals["elements"] += after["elements"]
+            totals["before"] += len(before["uncued"])
+            totals["after"] += len(after["uncued"])
+            totals["cued"] += after["cued"]
+            totals["figures"] += len(sizes)
+            totals["unmeasured"] += unmeasured
+            rows.append(f"{rel:42s} {info['articleWidth']:5d} {after['elements']:5d} {len(before['uncued']):8d} "
+                        f"{after['cued']:6d} {len(after['uncued']):7d} {len(sizes):5d} "
+                        + (f"{min(sizes):8.1f}" if sizes else "       -") + (f"  ({unmeasured} unmeasured)" if unmeasured else ""))
+    finally:
+        server.shutdown()
+        browser.set_window_size(1280, 1000)
+    print(f"\nlayout at 1280 x 900: {len(pages)} pages")
+    print(f"{'page':42s} {'col':>5s} {'code+':>5s} {'clipped':>8s} {'scroll':>6s} {'clipped':>7s} {'figs':>5s} {'min label':>8s}")
+    print(f"{'':42s} {'px':>5s} {'table':>5s} {'no css':>8s} {'+cue':>6s} {'now':>7s} {'':>5s} {'px':>8s}")
+    print("\n".join(rows))
+    print(f"total: {totals['elements']} code blocks and tables; clipped without a cue: {totals['before']} without "
+          f"extra.css, {totals['after']} with it ({totals['cued']} scroll with the cue); {totals['figures']} figures "
+          f"measured, {totals['unmeasured']} notebook outputs not measured")
+    assert totals["before"] > 0, "without extra.css nothing was found clipped: the check cannot fail"
+    assert totals["figures"] > 0
+    assert not failures, "\n".join(failures)
+
+
+def test_figure_label_size_is_read_from_the_figure(tmp_path):
+    """The figures record their smallest font; a figure drawn with 4 pt labels, shown at 688 px, fails."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(18, 12))
+    ax.set_title("tiny", fontsize=4)
+    fig.savefig(tmp_path / "a.png", dpi=100, metadata={"Description": "flashattn-figure: smallest-font-pt=4 dpi=100"})
+    plt.close(fig)
+    font = site_checks.figure_font(tmp_path / "a.png")
+    assert font == (4.0, 100.0, 1800.0)
+    assert site_checks.label_px(*font, 688) < 8
+    sys.path.insert(0, str(DOCS / "hooks"))
+    import figures
+
+    svg = figures.causal_schedule()
+    (tmp_path / "b.svg").write_text(svg, encoding="utf-8")
+    pt, dpi, width = site_checks.figure_font(tmp_path / "b.svg")
+    assert dpi == 72 and pt >= 9 and site_checks.label_px(pt, dpi, width, 688) >= 9
+    (tmp_path / "c.svg").write_text(svg.replace("flashattn-figure", "other"), encoding="utf-8")
+    assert site_checks.figure_font(tmp_path / "c.svg") is None
 
 
 def test_hook_fails_loudly_on_unknown_directives_and_unplaced_checks(tmp_path):

@@ -253,35 +253,10 @@ def _md_inline(text) -> str:
 
 
 def _benchmarks(_arg: str, page=None) -> str:
-    summary = RESULTS / "summary.md"
-    pngs = sorted(RESULTS.glob("*.png")) if RESULTS.is_dir() else []
-    jsons = sorted(RESULTS.glob("*.json")) if RESULTS.is_dir() else []
-    if not (summary.is_file() or pngs or jsons):
-        return (
-            '!!! info "No results yet"\n\n'
-            "    `benchmarks/results/` holds no measurements yet, so there is nothing to plot. The\n"
-            "    harness needs a CUDA GPU (H100 or H200). Once its JSON, plots and `summary.md` are\n"
-            "    committed under `benchmarks/results/`, this page shows them without any edit: the\n"
-            "    build reads that folder every time.\n"
-        )
-    out = []
-    if summary.is_file():
-        text = summary.read_text(encoding="utf-8")
-        # Shift the summary's headings below this page's title.
-        text = re.sub(r"^(#{1,5}) ", lambda m: "#" + m.group(1) + " ", text, flags=re.M)
-        out.append(text.strip() + "\n")
-    if pngs:
-        out.append("## Plots\n")
-        for png in pngs:
-            label = png.stem.replace("_", " ").replace("-", " ")
-            out.append(f"![{label}](benchmarks/{png.name})\n")
-    if jsons:
-        out.append("## Raw results\n")
-        out.append("The JSON files the plots and tables come from, in `benchmarks/results/`:\n")
-        for js in jsons:
-            out.append(f"- `{js.name}`")
-        out.append("")
-    return "\n".join(out)
+    """Plots and the summary table first, the rest of ``summary.md`` collapsed (``benchmarks_page.py``)."""
+    import benchmarks_page
+
+    return importlib.reload(benchmarks_page).render(RESULTS)  # `mkdocs serve` keeps the process
 
 
 def _ring(_arg: str, page=None) -> str:

@@ -1,0 +1,98 @@
+"""The results part of the Benchmarks page, from the committed ``benchmarks/results/``.
+
+The page opens with the plots and the one summary table (flashattn over each peer); everything else
+of ``summary.md`` (the run's setup, the correctness checks, every TFLOP/s and latency figure) follows
+in collapsed blocks, unedited: each ``###`` section of the summary becomes one ``??? note`` block
+titled by its heading, so every number of the summary is on the page.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+PLACEHOLDER = (
+    '!!! info "No results yet"\n\n'
+    "    `benchmarks/results/` holds no measurements yet, so there is nothing to plot. The\n"
+    "    harness needs a CUDA GPU (H100 or H200). Once its JSON, plots and `summary.md` are\n"
+    "    committed under `benchmarks/results/`, this page shows them without any edit: the\n"
+    "    build reads that folder every time.\n"
+)
+PASS_LABELS = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line if line.strip() else "" for line in text.strip("\n").splitlines())
+
+
+def _collapsed(title: str, body: str) -> str:
+    # Sub-headings become bold lines: a heading inside a collapsed block would still fill the TOC.
+    body = re.sub(r"^#{3,6} (.*)$", r"**\1**", body, flags=re.M)
+    return f'??? note "{title.replace(chr(34), chr(39))}"\n\n{_indent(body)}\n'
+
+
+def _tabs(items: list[tuple[str, list[Path]]]) -> str:
+    out = []
+    for label, pngs in items:
+        out.append(f'=== "{label}"\n')
+        out += [f"    ![{png.stem.replace('_', ' ')}](benchmarks/{png.name})\n" for png in pngs]
+    return "\n".join(out)
+
+
+def plots(pngs: list[Path]) -> str:
+    """Throughput plots in one set of tabs (one per pass and dtype), latency plots in another (one per
+    mode, both passes in each); any other plot after them."""
+    tflops = [p for p in pngs if p.stem.startswith("tflops_")]
+    latency = [p for p in pngs if p.stem.startswith("latency_")]
+    rest = [p for p in pngs if p not in tflops and p not in latency]
+    out = []
+    if tflops:
+        items = []
+        for png in tflops:
+            _, p, dtype = png.stem.split("_", 2)
+            items.append((f"{PASS_LABELS.get(p, p).capitalize()}, {dtype}", [png]))
+        items.sort(key=lambda item: (item[0].split(", ")[1], item[0].startswith("B")))
+        out.append("**Throughput** (TFLOP/s against N; higher is better):\n\n" + _tabs(items))
+    if latency:
+        modes: dict[str, list[Path]] = {}
+        for png in latency:
+            mode = re.sub(r"^latency_(fwd_bwd|fwd)_", "", png.stem)
+            modes.setdefault(mode, []).append(png)
+        items = [(mode, sorted(group, key=lambda png: "fwd_bwd" in png.stem)) for mode, group in modes.items()]
+        order = ["eager", "eager-one-thread", "compile", "reduce-overhead"]
+        items.sort(key=lambda item: order.index(item[0]) if item[0] in order else len(order))
+        out.append("**Per-call latency** at small shapes (µs per call against N; lower is better), by mode:\n\n"
+                   + _tabs(items))
+    out += [f"![{png.stem.replace('_', ' ')}](benchmarks/{png.name})\n" for png in rest]
+    return "\n".join(out)
+
+
+def render(results: Path) -> str:
+    summary = results / "summary.md"
+    pngs = sorted(results.glob("*.png")) if results.is_dir() else []
+    jsons = sorted(results.glob("*.json")) if results.is_dir() else []
+    if not (summary.is_file() or pngs or jsons):
+        return PLACEHOLDER
+    text = summary.read_text(encoding="utf-8") if summary.is_file() else ""
+    # The summary's sections start at level 3, below this page's "## Results"; its level-2 title
+    # would repeat that heading.
+    preamble, *sections = re.split(r"(?m)^(?=### )", text)
+    preamble = re.sub(r"^## .*\n", "", preamble.strip() + "\n", count=1)
+    paragraphs = [p for p in re.split(r"\n\s*\n", preamble.strip()) if p.strip()]
+    measured = [p for p in paragraphs if p.startswith("Measured on")]
+    setup = [p for p in paragraphs if not p.startswith("Measured on")]
+
+    out = [*(p + "\n" for p in measured)]
+    if pngs:
+        out.append(plots(pngs))
+    if sections:
+        out.append(sections[0].strip() + "\n")  # the one summary table, open
+    if setup:
+        out.append(_collapsed("How this run was set up", "\n\n".join(setup)))
+    for section in sections[1:]:
+        heading, _, body = section.partition("\n")
+        out.append(_collapsed(heading.lstrip("#").strip(), body))
+    if jsons:
+        out.append("The JSON files the plots and tables come from, in `benchmarks/results/`: "
+                   + ", ".join(f"`{js.name}`" for js in jsons) + ".\n")
+    return "\n".join(out)
