@@ -68,14 +68,13 @@ _INTERPRETER = {
     "bwd_dq": KernelConfig(32, 16, 4, 1),
 }
 
-# Hopper (sm_90): measured on an H200 with the tensor-descriptor kernels, fp16, B * N = 16k tokens,
-# hidden 2048 (docs/kernels/tuning-log.md, "TMA pass" and "Two stages"). Keyed by (kernel, BLOCK_D); a
-# pair is (non-causal, causal). Causal tiles are smaller where the diagonal makes short rows common;
-# the causal forward at D <= 64 takes 64 x 64 tiles up to N = 1024 (300 against 289 TFLOP/s for
-# 64 x 128 at N = 1024, fp16) and 64 x 128 above (351 against 333-342 for 64 x 64 at N = 2048). The
-# forward runs two pipeline stages, not three: at D <= 64 that is +3% to +13% (64 x 128 tiles), +3%
-# on 64 x 64 causal tiles at N = 1024; at D = 128 it lets one warpgroup hold a 128-row tile (+3% to
-# +14%). (Tuning log, "Causal D = 64 forward tiles, again".)
+# Hopper (sm_90), keyed by (kernel, BLOCK_D); a pair is (non-causal, causal). The entries are chosen
+# from timed sweeps (docs/kernels/tuning-log.md#tma-pass-session-of-2026-11-22-second-half).
+# Causal tiles are smaller where the diagonal makes short rows common: the causal forward at D <= 64
+# takes 64 x 64 tiles up to N = 1024 and 64 x 128 above
+# (docs/kernels/tuning-log.md#causal-d-64-forward-tiles-again-issue-15). The forward runs two pipeline
+# stages, not three, which lets one warpgroup hold a 128-row tile at D = 128
+# (docs/kernels/tuning-log.md#two-stages-run-13-issue-15).
 _H64 = {
     "fwd": (KernelConfig(64, 128, 4, 2), ByLength(1024, KernelConfig(64, 64, 4, 2), KernelConfig(64, 128, 4, 2))),
     "bwd_dkdv": (KernelConfig(64, 64, 4, 3), KernelConfig(32, 64, 4, 3)),
@@ -86,26 +85,24 @@ _SM90 = {
     ("fwd", 128): KernelConfig(128, 64, 4, 2),
     ("fwd", 256): KernelConfig(128, 64, 8, 2),
     # the causal dK/dV kernel walks its query blocks in one masked loop: with it the causal tiles
-    # match the non-causal ones at D = 128 and 256 (tuning log, "One causal loop in dK/dV")
+    # match the non-causal ones at D = 128 and 256 (docs/kernels/tuning-log.md#one-causal-loop-in-dkdv-issue-15)
     ("bwd_dkdv", 128): KernelConfig(64, 128, 8, 3),
-    # dV, then dK, in two launches on 128-row key blocks: 9-15% less backward time than one launch of
-    # (64, 64, 8, 2), which computed S^T and dP^T twice (tuning log, "dV and dK in two launches")
+    # dV, then dK, in two launches on 128-row key blocks: one launch on 64-row blocks computes S^T and
+    # dP^T twice (docs/kernels/tuning-log.md#dv-and-dk-in-two-launches-issue-15)
     ("bwd_dkdv", 256): KernelConfig(32, 128, 8, 3, split=True),
     ("bwd_dq", 128): (KernelConfig(128, 64, 8, 4), KernelConfig(128, 64, 8, 3)),
-    # one warpgroup on 64 x 32 tiles: 10-17% less time than (128, 64, 8, 1) at N 1k-16k, bf16, both masks
+    # one warpgroup on 64 x 32 tiles, the fastest dQ tile timed at D = 256 (docs/kernels/tuning-log.md#dq-at-d-256)
     ("bwd_dq", 256): KernelConfig(64, 32, 4, 3),
 }
 
 # Hopper forward tiles for sliding windows and for dropout, where they differ from the table above.
-# One warpgroup holding a 128-row D = 128 tile runs at the 255-register cap; measured at N = 4096,
-# fp16 (tuning log, "Two stages"), it loses with a window (3-8%) and wins with softcap (+4-5%) and
-# ALiBi (+1-4%); packed sequences read -3% to +1% and keep it too. Dropout draws its mask inside the
-# loop, which takes registers and, to spread each draw's eight lanes over the tile, shared memory:
-# measured at N = 8192, fp16, 64 x 64 forward tiles with one warpgroup are the fastest with it at
-# D = 64 and 128 (the table's own tiles are 1.03-1.9x slower; D = 16 and 32 follow D = 64, as in
-# the table above); a 32-row dK/dV tile serves both masks at D = 128 (5% over the 64-row one),
-# and dQ at D <= 64 takes one warpgroup on 64 x 128 (4-6% over the table's; tuning log, "Eight keys
-# per draw").
+# One warpgroup holding a 128-row D = 128 tile runs at the 255-register cap, and with a window it is
+# the slower tile, so windows keep 128 x 128 on two warpgroups (softcap, ALiBi and packed sequences
+# keep the table's; docs/kernels/tuning-log.md#variants-on-the-new-d-128-tile).
+# Dropout draws its mask inside the loop, which takes registers and, to spread each draw's eight lanes
+# over the tile, shared memory, so it takes smaller tiles: 64 x 64 forward tiles on one warpgroup
+# (D = 16 and 32 follow D = 64, as in the table above), a 32-row dK/dV tile for both masks at D = 128,
+# and one warpgroup on 64 x 128 for dQ at D <= 64 (docs/kernels/tuning-log.md#eight-keys-per-draw).
 _SM90_WINDOW = {
     ("fwd", 128): KernelConfig(128, 128, 8, 3),
 }
@@ -113,10 +110,11 @@ _SM90_DROPOUT = {
     **{("fwd", block_d): KernelConfig(64, 64, 4, 2) for block_d in (16, 32, 64, 128)},
     **{("bwd_dq", block_d): KernelConfig(64, 128, 4, 2) for block_d in (16, 32, 64)},
     ("bwd_dkdv", 128): KernelConfig(32, 128, 8, 3),
-    # Dropout keeps the causal dK/dV kernel's three loops (one loop took 1.18x as long at D = 128),
-    # and at D = 256 the two-warpgroup dQ tile that went with them (tuning log, "One causal loop in
-    # dK/dV"). Its D = 256 dK/dV also runs in two launches, with two stages: the dK launch's third
-    # stage and dropout's shared memory do not fit together (tuning log, "dV and dK in two launches").
+    # Dropout keeps the causal dK/dV kernel's three loops, faster than one loop with dropout's draws,
+    # and at D = 256 a two-warpgroup dQ tile, since the plain tiles there are not timed with dropout
+    # (docs/kernels/tuning-log.md#one-causal-loop-in-dkdv-issue-15). Its D = 256 dK/dV also runs in
+    # two launches, with two stages: the dK launch's third stage and dropout's shared memory do not
+    # fit together (docs/kernels/tuning-log.md#dv-and-dk-in-two-launches-issue-15).
     ("bwd_dkdv", 256): KernelConfig(32, 128, 8, 2, split=True),
     ("bwd_dq", 256): KernelConfig(128, 64, 8, 1),
 }
@@ -133,7 +131,7 @@ def sm90_entry(kernel: str, block_d: int, *, dropout: bool = False, window: bool
 
 
 # Ampere / Ada and anything else: smaller shared memory, so smaller tiles and shallower pipelines.
-# Not measured yet (no such GPU was available): conservative choices that fit 100 KB of shared memory.
+# Not timed on such a GPU: conservative choices that fit 100 KB of shared memory.
 _DEFAULT = {
     ("fwd", 16): KernelConfig(128, 64, 4, 2),
     ("fwd", 32): KernelConfig(128, 64, 4, 2),
@@ -227,31 +225,20 @@ def tuning(*, fwd: KernelConfig | None = None, bwd_dkdv: KernelConfig | None = N
 
 # --8<-- [start:gluon-dispatch]
 # The Hopper kernels in Gluon (flashattn.hopper_fwd, flashattn.hopper_bwd): head dims they are built
-# for and beat the portable kernels at (measured on an H200, tuning log "Gluon kernels dispatched" and
-# "The Gluon forward at D = 256"). The dK/dV kernel keeps dK and dV of 64 keys per warpgroup in
-# registers, 2 * 64 * D / 128 floats per thread: at D = 256 that is 256, over the 240 a thread gets.
-# The dQ kernel in Gluon (flashattn.hopper_bwd.dq) made the D = 128 backward 1-8% faster in an A/B
-# and D = 64 3-10% slower (tuning log "A dQ kernel in Gluon"); at D = 256, in 32-key steps, it read
-# 0.997-1.131x the portable backward's TFLOP/s over the grid's 20 settings, above 1 in 19 (H100, tuning
-# log "dQ in Gluon at D = 256"), so it runs at 128 and 256.
+# for and beat the portable kernels at (docs/kernels/tuning-log.md#gluon-kernels-dispatched-issue-15,
+# docs/kernels/tuning-log.md#the-gluon-forward-at-d-256-issue-15). The dK/dV kernel keeps dK and dV of
+# 64 keys per warpgroup in registers, 2 * 64 * D / 128 floats per thread: at D = 256 that is 256, over
+# the 240 a thread gets. The dQ kernel in Gluon (flashattn.hopper_bwd.dq) slows the D = 64 backward
+# and speeds up the D = 128 and 256 ones (256 in 32-key steps), so it runs at 128 and 256
+# (docs/kernels/tuning-log.md#a-dq-kernel-in-gluon-issue-15-built-not-dispatched,
+# docs/kernels/tuning-log.md#dq-in-gluon-at-d-256-issue-15).
 GLUON_HEAD_DIMS = {"fwd": (128, 256), "bwd_dkdv": (128,), "bwd_dq": (128, 256)}
 # B * Hq * N * M * D below which the portable kernels run, per (kernel, head dim): (without a mask,
-# causal). Measured on an H200 (bf16, Gluon and portable in turns, tuning log "The Gluon bar, again")
-# once repeated calls replayed Gluon launches too (flashattn.launch.Recipe), by two yardsticks: GPU
-# time per pass (CUDA graphs) and the eager call's wall time, host included. A bar is where Gluon
-# wins the first without losing the second. Gluon over portable GPU time: the D = 128 forward
-# 0.58-1.01x from 2^31 up (0.94-1.19x below, where the portable kernel takes its small-grid tile);
-# the D = 256 forward 0.71-0.81x from 2^31 up; the D = 128 backward 0.88-0.91x from 2^32 up without a
-# mask, and with the causal mask 0.83-1.25x at 2^32-2^33 and 0.83-1.00x at 2^34. Eager: the causal
-# Gluon forward read 1.09-1.34x the portable call's wall time at 2^31-2^32 and 0.82-0.95x at 2^33
-# when it allocated and zeroed its tile counter at every call (as it does again); with a counter kept
-# per stream (tried, withdrawn) it read 0.93-1.10x at 2^31-2^32, 2.5-4.2 us slower in 5 of 7 shapes
-# (its call also fills a descriptor for O), and 0.75-0.87x at 2^33 (tuning log "A tile counter per
-# stream"), so the causal bars stay either way. Eager forward + backward read 1.12-1.13x at 2^32
-# and 0.83-0.95x at 2^33, both without a mask (causal at 2^33: 0.98-1.11x). The D = 256 dQ in
-# Gluon over portable, whole backward (H200, tuning log "dQ in Gluon at D = 256"): GPU time
-# 1.09-1.11x below 2^32, 0.93-0.94x from 2^32 without a mask; causal 1.03-1.10x at 2^32-2^33,
-# 0.95-0.97x from 2^34; eager wall never above 1.0x past the bars.
+# causal). A bar is the least work where Gluon takes less GPU time per pass (CUDA graphs) and no more
+# eager wall time, host included (docs/kernels/tuning-log.md#the-gluon-bar-again). Under causal the
+# forward's call also allocates and zeroes the tile counter of its dynamic walk, host work that short
+# calls do not earn back, hence its higher bars (docs/kernels/tuning-log.md#a-tile-counter-per-stream-issues-11-and-15);
+# the D = 256 dQ's bars: docs/kernels/tuning-log.md#dq-in-gluon-at-d-256-issue-15.
 # Every cell of the benchmark grid (16k tokens, 2048 hidden) from N = 1024 up is at 2^35 or more.
 GLUON_MIN_WORK = {
     ("fwd", 128): (2**31, 2**33),
@@ -333,18 +320,14 @@ def get_config(kernel: str, problem: Problem, device: torch.device) -> KernelCon
 
 
 # Hopper tiles for grids that leave SMs idle, keyed like _SM90: (the share of the SMs below which
-# the table tile's programs count as few, the tile then used). At B * H = 16, N = 512 the D = 128
-# table tiles make 64 programs for 132 SMs; 64 x 64 tiles took 10.2-10.4 us of forward against
-# 14.1-16.0, and 25.3-25.8 us of backward against 36.9-38.2 (bfloat16, CUDA graphs, H200; tuning
-# log "Tiles for small grids"). The forward's rule goes up to a full wave (its 64-row tiles also won
-# at N = 1024, B * H = 16: 19.3-21.4 against 24.7-26.2 us), the backward's to half a wave (at 128
-# programs for 132 SMs, N = 1024, its table tiles won without a mask). At D <= 64 the forward's
-# tiles have 64 rows already (its 64 x 64 tile lost to the table's 64 x 128 at N = 512), and only
-# dQ's 128-row tile is swapped (22.4 -> 19.6 us at N = 512 without a mask). A share may be a
-# (without a mask, causal) pair: the D = 256 forward's 64 x 64 tile took 0.68-0.73x the table tile's
-# time at 32 and 64 programs (13.4-24.0 us against 19.7-34.7), and at 120-128 programs 0.67-0.90x with
-# the causal mask but 1.33-1.41x without (tuning log "The Gluon bar, again"). The D = 256 backward's table tiles
-# beat every smaller tile tried at 32 and 64 programs.
+# the table tile's programs count as few, the tile then used). Smaller tiles make more programs and
+# so keep more SMs busy (at B * H = 16, N = 512 the D = 128 table tiles make 64 programs for 132 SMs).
+# The forward's bar is a full wave; the backward's is half a wave, since near a full wave its table
+# tiles are the faster ones without a mask (docs/kernels/tuning-log.md#tiles-for-small-grids). At
+# D <= 64 the forward's tiles have 64 rows already, and only dQ's 128-row tile is swapped. A share
+# may be a (without a mask, causal) pair: the D = 256 forward's 64 x 64 tile is the faster one below
+# half the SMs without a mask and below all of them with the causal mask; the D = 256 backward keeps
+# its table tiles, the fastest tried on small grids (docs/kernels/tuning-log.md#small-grids-at-d-256).
 _SMALL_BWD = (0.5, KernelConfig(64, 64, 4, 3))
 _SM90_SMALL_GRID = {
     ("fwd", 128): (1.0, KernelConfig(64, 64, 4, 2)),
@@ -365,8 +348,9 @@ def tuning_space(kernel: str, problem: Problem, device: torch.device) -> list[Ke
     """A pruned neighbourhood of the table entry: the entry itself first, then at most ten variants.
 
     Same tile with other warps / pipeline depths first (two stages included: one warpgroup with two
-    stages won the D = 128 forward, tuning log "Two stages"), then the tile halved or doubled along
-    one side; tiles past 128 x 128 (128 x 64 at D = 256) are left out, they do not fit shared memory.
+    stages is the D = 128 forward's table tile, docs/kernels/tuning-log.md#two-stages-run-13-issue-15),
+    then the tile halved or doubled along one side; tiles past 128 x 128 (128 x 64 at D = 256) are
+    left out, they do not fit shared memory.
     """
     base = get_config(kernel, problem, device)
     variants = [base]

@@ -133,7 +133,8 @@ def _bwd_dkdv_inner(
         b_do = do_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
         # dP^T = V dO^T, [BLOCK_N, BLOCK_M], does not need P, so it goes to the tensor cores before the
         # exponentials: the compiled loop runs some of them while this product is in flight, and the
-        # dV and dK products below then issue back to back (docs/kernels/tuning-log.md, "dP first in the backward loops")
+        # dV and dK products below then issue back to back
+        # (docs/kernels/tuning-log.md#dp-first-in-the-backward-loops-commit-7752eb1)
         if PART != 1:
             dp_t = tl.dot(b_v, tl.trans(b_do))
         p_t = tl.exp2(s_t - b_lse2[None, :])  # P = exp(s - lse): the forward's softmax, recomputed
@@ -226,7 +227,7 @@ def _bwd_dkdv_kernel(
     # (flash attention's usual layout), so both warpgroups then compute the same S^T and dP^T. Two
     # launches, PART 1 for dV alone and PART 2 for dK alone, hold one accumulator each, which leaves
     # room for 128 key rows: no product is computed twice within a program, at the price of S^T
-    # recomputed in the second launch (docs/kernels/tuning-log.md, "dV and dK in two launches").
+    # recomputed in the second launch (docs/kernels/tuning-log.md#dv-and-dk-in-two-launches-issue-15).
     b_k = k_desc.load([i_b, i_hkv, k_row, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
     b_v = b_k  # never read by PART 1, which needs no dP
     if PART != 1:
@@ -241,10 +242,9 @@ def _bwd_dkdv_kernel(
     # every tile (its padded keys must stay out of dS). Rows below lo see none of the block.
     # ONE_LOOP: from D = 128 up (BLOCK_D, the head dim padded: any D > 64), a causal mask without a
     # window or dropout walks [lo, hi) in one masked loop instead. The mask costs a few compares per
-    # score, while three loops keep more values live, spill more and refill the pipeline between them:
-    # measured on the H200, the three loops took 1.4x as long at D = 256 and 1.03-1.09x at D = 128, but
-    # 0.90-0.92x at D = 64, and 0.85x with dropout at D = 128, which keep them
-    # (docs/kernels/tuning-log.md, "One causal loop in dK/dV").
+    # score, while three loops keep more values live, spill more and refill the pipeline between them,
+    # which costs more than the mask from D = 128 up; at D = 64 and with dropout's draws in the loop the
+    # three loops are the faster (docs/kernels/tuning-log.md#one-causal-loop-in-dkdv-issue-15).
     ONE_LOOP: tl.constexpr = CAUSAL and not HAS_WINDOW and not DROPOUT and BLOCK_D >= 128
     if HAS_WINDOW:
         lo, full_start, full_end, hi = window_query_range(start_n, BLOCK_M, BLOCK_N, N_CTX_Q, N_CTX_K,

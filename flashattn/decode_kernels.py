@@ -310,9 +310,10 @@ def _decode_merge_kernel(
 
 
 # The tile's M side is the packed rows, at least 16 for tl.dot; the key block is as long as the
-# registers allow at each head dim. At D = 128 the key block and the depth come from a sweep on an
-# H200 (tuning log, "Decoding: an append kernel, int lengths, and swept tiles"): 128-key blocks, two stages for a tile of 16 rows (one query
-# of a GQA group) and three for larger tiles; elsewhere they are not tuned.
+# registers allow at each head dim. At D = 128 the key block and the depth are the sweep's choice:
+# 128-key blocks, two stages for a tile of 16 rows (one query of a GQA group) and three for larger
+# tiles (docs/kernels/tuning-log.md#decoding-an-append-kernel-int-lengths-and-swept-tiles-issue-11);
+# elsewhere they are not tuned.
 _INTERPRETER_BLOCK_M, _INTERPRETER_BLOCK_N = 16, 16
 _INTERPRETER_SPLITS = 3  # fixed, so that the tests walk several splits, some of them empty
 MAX_SPLITS = 128

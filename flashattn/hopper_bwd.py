@@ -458,8 +458,9 @@ def dq(q, k, v, do, lse2, delta, dq_out, causal: bool, scale: float, block_n: in
        stages: int | None = None, record=None) -> None:
     """Fill ``dq_out`` (laid out like q, head dim contiguous) for plain attention; the inputs are those
     of :func:`dkdv`. The backward runs it where ``flashattn._config.gluon_kernel("bwd_dq", ...)``
-    says so: large plain problems at D = 128 and 256 (tuning log, "A dQ kernel in Gluon", "Run 25" and
-    "dQ in Gluon at D = 256"). A ``record`` keeps the launch for a recipe."""
+    says so: large plain problems at D = 128 and 256, where it speeds up the backward
+    (docs/kernels/tuning-log.md#a-dq-kernel-in-gluon-issue-15-built-not-dispatched,
+    docs/kernels/tuning-log.md#dq-in-gluon-at-d-256-issue-15). A ``record`` keeps the launch for a recipe."""
     from flashattn.tensors import ceil_div
     from flashattn.constants import LOG2E
 

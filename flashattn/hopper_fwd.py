@@ -60,9 +60,9 @@ CONSUMER_REGS = 240
 def _config(head_dim: int):
     """(BLOCK_N, STAGES, PINGPONG) for a head dim. The K+V ring plus the two Q halves must fit the
     227 KB of shared memory; BLOCK_N must be a power of two (192 is not expressible), and 256 spills
-    at D=64. Measured on an H200 (bf16, N=4096/16384): STAGES 3-4 gain nothing over 2, BLOCK_N=64 is
-    7-10% slower, and ping-pong ordering is within noise at D=128 and 2-4% slower at D=64, so it is
-    off by default (``forward(..., pingpong=True)`` turns it on)."""
+    at D=64. A deeper ring, 64-key blocks where 128 fit and ping-pong ordering are no faster, so the
+    ring has two stages and ping-pong is off by default (``forward(..., pingpong=True)`` turns it on;
+    docs/kernels/tuning-log.md#a-hopper-forward-in-gluon-issue-15-dispatched-in-the-next-section)."""
     if head_dim == 64:
         return 128, 2, False   # Q 16 KB + 2 * (16 + 16) KB = 80 KB
     if head_dim == 256:
@@ -74,15 +74,12 @@ def schedule_default(head_dim: int, causal: bool) -> tuple[bool, bool]:
     """How :func:`forward` walks the query blocks by default, as ``(persistent, dynamic)``.
 
     Without a mask at D <= 128 the launch is persistent (one CTA per SM) with a static walk: the
-    next block's Q half loads into its own buffer while a consumer finishes the last block, 1-11%
-    faster than one CTA per block on an H200 (most at N = 1024); at D = 256 O is staged in the Q
-    buffer, so the next Q waits for the store, and it measured within noise (tuning log "A persistent
-    forward"). Under causal, blocks have unequal work: a static walk lost up to 36%, while a dynamic
-    walk, each CTA drawing its next block from a counter, longest blocks first within sections of
-    heads (:func:`section_default`), measured 1.04-1.17x one CTA per block up to N = 8192 at D = 128
-    and 256, and within 1.5% of it at N = 16384 (tuning log "A dynamic walk for the causal
-    forward"). At D = 64, where the public API runs the portable forward, sections twice the default
-    size measured 0.99-1.25x."""
+    next block's Q half loads into its own buffer while a consumer finishes the last block. At
+    D = 256 O is staged in the Q buffer, so the next Q waits for the store and a persistent launch
+    gains nothing (docs/kernels/tuning-log.md#a-persistent-forward-issue-15). Under causal, blocks
+    have unequal work, which a static walk leaves unbalanced; a dynamic walk, each CTA drawing its
+    next block from a counter, longest blocks first within sections of heads (:func:`section_default`),
+    balances it (docs/kernels/tuning-log.md#a-dynamic-walk-for-the-causal-forward-issue-15)."""
     if causal:
         return True, True
     return head_dim <= 128, False
@@ -91,19 +88,18 @@ def schedule_default(head_dim: int, causal: bool) -> tuple[bool, bool]:
 def q_buffers_default(head_dim: int, causal: bool) -> int:
     """Q buffers of a persistent CTA. Two fit up to D = 128 (at D = 128: 2 * 32 KB of Q, 32 KB of O
     staging and the 128 KB K/V ring, 224 KB of the 227), one at D = 256, where O is staged in the Q
-    buffer. Measured on an H200 (bfloat16, B * N = 16k tokens): without a mask two buffers were
-    1.4-3.0% faster at D = 128 and 0.6-2.2% at D = 64 (N = 1024..16384); under causal, where the
-    dynamic walk's producer then draws each next tile a tile earlier, -2.9% to +3.3% (tuning log
-    "A query block's fixed cost"), so causal walks keep one."""
+    buffer. A second buffer lets the next tile's Q load earlier, which pays without a mask; under
+    causal the dynamic walk's producer would then draw each next tile a tile earlier, with no steady
+    gain, so causal walks keep one (docs/kernels/tuning-log.md#two-q-buffers)."""
     return 2 if head_dim <= 128 and not causal else 1
 
 
 def section_default(batch_heads: int, n: int, ctas: int) -> int:
     """Heads per section of a dynamic causal walk: about as many query blocks as CTAs, so the CTAs
     start together on the longest blocks of a few heads, whose keys and values L2 then serves to
-    all of them (16 heads at N = 1024 on 132 SMs, one from N = 16384). On an H200 one section of
-    every head (the longest blocks of all heads first) measured 3-22% slower than this, sections
-    twice this size 8% slower to 4% faster, half this size (D = 256) up to 5% slower."""
+    all of them (16 heads at N = 1024 on 132 SMs, one from N = 16384). One section of every head
+    (the longest blocks of all heads first) is slower, and sections twice or half this size gain
+    nothing steady (docs/kernels/tuning-log.md#a-dynamic-walk-for-the-causal-forward-issue-15)."""
     return max(1, min(batch_heads, ctas // -(-n // BLOCK_M)))
 
 
@@ -686,7 +682,8 @@ def launch(kernel, grid: int, args: tuple, constexprs: dict, warps: int = 4, rec
     """Launch a Gluon kernel of this module or :mod:`flashattn.hopper_bwd` through the package's
     launcher (:func:`flashattn.launch.launch`): after its first call with a signature, the compiled
     kernel is called directly, without ``kernel[grid](...)``'s binding and specialization of every
-    argument (which costs a Gluon launch about 140 µs of host time on an H200 host). A ``record``
+    argument, host work a Gluon launch would otherwise pay at every call
+    (docs/kernels/tuning-log.md#gluon-kernels-dispatched-issue-15). A ``record``
     (:class:`flashattn.launch.Recording`) keeps the launch for the recipe of the launcher call."""
     from flashattn.launch import launch as launch_compiled
 

@@ -147,8 +147,8 @@ def tile_counter(device: torch.device) -> torch.Tensor:
     stream. The kernel's last draw sets it back to zero, so one counter per stream would do, but a
     tensor kept past the call lives wherever the calling thread allocated it, and while
     torch.compile's CUDA-graph trees warm a graph up that is the graph's memory pool, where a tensor
-    the graph does not own makes its recording fail (tuning log, "A tile counter per stream,
-    withdrawn")."""
+    the graph does not own makes its recording fail
+    (docs/kernels/tuning-log.md#a-tile-counter-per-stream-withdrawn-issue-11)."""
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 

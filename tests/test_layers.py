@@ -89,3 +89,50 @@ def test_the_contract_can_fail(tmp_path, monkeypatch):
     bad.write_text("def f():\n    from flashattn import autograd\n    import importlib\n"
                    "    importlib.import_module('flashattn.api')\n")
     assert _imports(bad) == {"autograd", "api"}
+
+
+def test_comments_cite_no_runs():
+    """Comments and docstrings in flashattn/ give a reason and a link: no run numbers and no ratio ranges
+    (those stay in the tuning log), and every ``docs/kernels/tuning-log.md#anchor`` names a heading of the
+    log, with the id MkDocs' toc gives it (markdown's own toc extension, duplicate suffixes included)."""
+    import io
+    import re
+    import tokenize
+
+    import markdown
+
+    md = markdown.Markdown(extensions=["toc"])
+    md.convert((PACKAGE.parent / "docs" / "kernels" / "tuning-log.md").read_text(encoding="utf-8"))
+    anchors, todo = set(), list(md.toc_tokens)
+    while todo:
+        token = todo.pop()
+        anchors.add(token["id"])
+        todo.extend(token["children"])
+    run, ratio = re.compile(r"\b[Rr]uns? \d+\b"), re.compile(r"\d\.\d+-\d\.\d+x")
+    link = re.compile(r"docs/kernels/tuning-log\.md#([\w-]+)")
+
+    def findings(source: str) -> tuple[list[str], int]:
+        """What ``source`` gets wrong, and how many tuning-log links it holds."""
+        prose = [tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                 if tok.type == tokenize.COMMENT]
+        prose += [ast.get_docstring(node, clean=False) or "" for node in ast.walk(ast.parse(source))
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        bad = [f"run number: {line.strip()}" for line in source.splitlines() if run.search(line)]
+        bad += [f"ratio range: {m.group()} in {text.strip()[:80]!r}" for text in prose for m in ratio.finditer(text)]
+        links = link.findall(source)
+        bad += [f"no tuning-log heading has the id {a!r}" for a in links if a not in anchors]
+        return bad, len(links)
+
+    # negative control: each kind of narration is caught, and a good link passes
+    sample = ('"""Runs 41 and 42 read 0.93-1.10x."""\n# see docs/kernels/tuning-log.md#no-such-heading\n'
+              "X = 1  # docs/kernels/tuning-log.md#the-gluon-bar-again\n")
+    assert len(findings(sample)[0]) == 3, findings(sample)
+    assert "the-gluon-bar-again" in anchors and "what-limits-us-now-measured_1" in anchors
+
+    problems, n_links = [], 0
+    for path in sorted(PACKAGE.glob("*.py")):
+        bad, links = findings(path.read_text(encoding="utf-8"))
+        problems += [f"{path.name}: {b}" for b in bad]
+        n_links += links
+    assert not problems, "\n".join(problems)
+    assert n_links > 0, "no comment links to the tuning log: the anchor check checked nothing"
