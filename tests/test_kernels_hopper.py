@@ -1,0 +1,445 @@
+"""The Gluon kernels for sm_90 (flashattn.hopper_fwd, flashattn.hopper_bwd).
+
+Against float64, by the error ratio of tests/test_kernels_numerics.py, at D = 64, 128 and 256: the
+forward called directly, and forward and backward through the package's dispatch, with the work bar
+lowered to every size and at the real bars (bitwise repeatable, also under a CUDA graph). The
+persistent forward's walks (static or dynamic, in sections of heads, with one or two Q buffers) give
+the bits of one CTA per block; the dynamic walk draws each tile once and leaves its counter at zero,
+also on two streams at once; the default walk for each head dimension and mask; the work per CTA that
+the Hopper page quotes, against a count from the definition; and the host code of forward and backward
+up to the launch. The kernel tests need an sm_90 GPU with Triton 3.6 and skip elsewhere; the walk
+models and the host code (kernel and descriptors stubbed) run on the CPU.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashattn import _config
+from flashattn.backward import launch_backward as attention_backward
+from flashattn.forward import launch_forward as attention_forward
+from flashattn.problem import Problem
+from flashattn.reference import naive_attention
+from flashattn.testing import assert_close_ratio, random_qkv
+
+from devices import gpu, needs_cuda
+from kernel_cases import _check_against_reference, _empty_rows_are_zero, _inputs, _stub_gluon_forward_launch
+
+
+def test_hopper_forward_is_never_supported_off_hopper():
+    """Importing the Gluon module never imports Gluon or touches the driver; it declines CPU tensors
+    (and anything but float16/bfloat16, D in {64, 128, 256}, on an sm_90 GPU with Triton 3.6)."""
+    from flashattn import hopper_fwd
+
+    q, k, v = random_qkv(1, 2, 2, 8, 8, 64, dtype=torch.float16)
+    assert not hopper_fwd.supported(q, k, v, True)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("b, h_q, h_kv, n, m, causal, layout, std", [
+    (2, 4, 4, 1000, 1000, False, "bhnd", 1.0),
+    (2, 4, 4, 300, 777, True, "bhnd", 1.0),
+    (2, 4, 2, 777, 300, True, "bnhd", 1.0),  # GQA, N > M: the first 477 rows see no key
+    (1, 8, 2, 1024, 1024, True, "bhnd", 3.0),  # large logits
+    (1, 2, 1, 130, 3, False, "bnhd", 1.0),
+])
+def test_hopper_forward_matches_float64(dtype, d, b, h_q, h_kv, n, m, causal, layout, std):
+    from flashattn import hopper_fwd
+
+    q, k, v = random_qkv(b, h_q, h_kv, n, m, d, dtype=dtype, device="cuda", layout=layout, std=std)
+    if not hopper_fwd.supported(q, k, v, causal):
+        pytest.skip("the Gluon forward runs on sm_90 with Triton 3.6 only")
+    o, lse = hopper_fwd.forward(q, k, v, causal)
+    o64, lse64 = naive_attention(q.double(), k.double(), v.double(), causal=causal)
+    o16, lse16 = naive_attention(q, k, v, causal=causal)
+    assert_close_ratio("o", o, o64, o16)
+    assert_close_ratio("lse", lse, lse64, lse16.float())
+
+
+_WALKS = {  # hopper_fwd.forward's knobs for each way of walking the query blocks
+    "static": dict(persistent=True, dynamic=False),
+    "static, sections of 3": dict(persistent=True, dynamic=False, section=3),
+    "dynamic": dict(persistent=True, dynamic=True),
+    "dynamic, head by head": dict(persistent=True, dynamic=True, section=1),
+    "dynamic, one section": dict(persistent=True, dynamic=True, section=10**6),
+    "static, one Q buffer": dict(persistent=True, dynamic=False, q_buffers=1),
+    "dynamic, two Q buffers": dict(persistent=True, dynamic=True, q_buffers=2),
+}
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("walk", list(_WALKS))
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("b, h_q, h_kv, n, m", [
+    (8, 40, 8, 1000, 1000),  # 2560 query blocks, more than any GPU has SMs: every CTA walks many
+    (3, 50, 10, 650, 1300),  # N < M, ragged last block
+    (4, 36, 36, 1500, 700),  # N > M: under causal the first 800 rows of a head see no key
+    (1, 3, 1, 129, 64),      # fewer blocks than SMs; sections larger than B * H
+])
+def test_hopper_forward_persistent_matches_float64_and_one_cta_per_block(monkeypatch, walk, d, causal, b, h_q, h_kv,
+                                                                         n, m):
+    """A persistent launch (CTAs walking query blocks, the K/V ring and the Q and O buffers carried
+    from block to block; statically or drawing blocks from a counter, in sections of heads, with one
+    or two Q buffers) gives the same bits as one CTA per block, and float64's answer, with either
+    mask and where blocks have unequal work; a dynamic walk twice in a row gives them again, drawing
+    from one counter that no call zeroes (handed to it here): its last draw leaves it at zero."""
+    from flashattn import device_helpers, launch as launch_mod, tensors, hopper_fwd
+
+    if _WALKS[walk].get("q_buffers") == 2 and d > 128:
+        pytest.skip("two Q buffers fit shared memory up to D = 128")
+    q, k, v = random_qkv(b, h_q, h_kv, n, m, d, dtype=torch.bfloat16, device="cuda")
+    if not hopper_fwd.supported(q, k, v, causal):
+        pytest.skip("the Gluon forward runs on sm_90 with Triton 3.6 only")
+    o1, lse1 = hopper_fwd.forward(q, k, v, causal, persistent=False)
+    counter = tensors.tile_counter(q.device)
+    if _WALKS[walk]["dynamic"]:
+        monkeypatch.setattr(tensors, "tile_counter", lambda device: counter)  # one counter for both calls
+    for _ in range(2 if _WALKS[walk]["dynamic"] else 1):
+        o, lse = hopper_fwd.forward(q, k, v, causal, **_WALKS[walk])
+        assert torch.equal(o, o1) and torch.equal(lse, lse1)
+        assert counter.item() == 0
+    o64, lse64 = naive_attention(q.double(), k.double(), v.double(), causal=causal)
+    o16, lse16 = naive_attention(q, k, v, causal=causal)
+    assert_close_ratio("o", o, o64, o16)
+    assert_close_ratio("lse", lse, lse64, lse16.float())
+
+
+@gpu
+@needs_cuda
+def test_hopper_forward_dynamic_walks_on_two_streams_at_once_keep_their_own_counters():
+    """Two causal forwards with a dynamic walk running at the same time on two streams (each call
+    zeroes a counter of its own) give the bits of one CTA per block."""
+    from flashattn import hopper_fwd
+
+    inputs = [random_qkv(4, 32, 8, 2048, 2048, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    if not hopper_fwd.supported(*inputs[0], True):
+        pytest.skip("the Gluon forward runs on sm_90 with Triton 3.6 only")
+    expected = [hopper_fwd.forward(*x, True, persistent=False) for x in inputs]
+    _on_two_streams_at_once(lambda x: hopper_fwd.forward(*x, True, persistent=True, dynamic=True), inputs, expected)
+
+
+def _on_two_streams_at_once(call, inputs, expected, rounds=3):
+    """``call(x)`` for each of ``inputs`` on a stream of its own, all queued before one synchronize,
+    ``rounds`` times; each round's results must be bitwise ``expected``'s."""
+    streams = [torch.cuda.Stream() for _ in inputs]
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        outs = []
+        for stream, x in zip(streams, inputs):
+            with torch.cuda.stream(stream):
+                outs.append(call(x))
+        torch.cuda.synchronize()
+        for got, want in zip(outs, expected):
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _walk_order(batch_heads, num_mb, causal, section):
+    """(head, query block) of each tile in the kernel's order, from its description: under causal,
+    sections of ``section`` heads one after another, and within one the blocks by length (longest
+    first), the heads in order among blocks of one length; else head by head, blocks in order."""
+    tiles = [(h, mb) for h in range(batch_heads) for mb in range(num_mb)]
+    if causal:
+        tiles.sort(key=lambda t: (t[0] // section, -t[1], t[0]))
+    return tiles
+
+
+@pytest.mark.parametrize("batch_heads, n, m, ctas, section", [
+    (16, 16384, 16384, 132, 1), (3, 1000, 1300, 5, 1), (4, 700, 300, 7, 1),
+    (256, 1024, 1024, 132, 16), (7, 1000, 900, 11, 3), (5, 640, 640, 3, 8)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_persistent_walk_work_counts_the_key_blocks_each_cta_visits(batch_heads, n, m, ctas, section, causal,
+                                                                     dynamic):
+    """hopper_fwd.walk_work (the Hopper page's figure and numbers) against a count from the definition:
+    a 128-row query block visits every key block up to the last one holding a key that one of its
+    rows sees (bottom-right causal alignment); the tiles come in the kernel's order (longest block
+    first within sections of heads under causal); a static walk gives CTA p tiles p, p + ctas, ...,
+    a dynamic one each tile to the CTA that is free first (lowest number on a tie) when every key
+    block takes one unit of time."""
+    from flashattn import hopper_fwd
+    from flashattn.schedule import is_visible
+
+    num_mb, num_nb = -(-n // 128), -(-m // 128)
+
+    def blocks(mb):  # key blocks up to the last with a visible key for some row of the block
+        last = max((j for i in range(mb * 128, min(n, mb * 128 + 128)) for j in range(m)
+                    if is_visible(i, j, n, m, causal)), default=-1)
+        return last // 128 + 1
+
+    per_block = {mb: blocks(mb) for mb in range(num_mb)} if n * m <= 2_000_000 else {
+        mb: min(num_nb, -(-(mb * 128 + 128 + m - n) // 128)) if causal else num_nb for mb in range(num_mb)}
+    expected, busy_until = [0] * ctas, [0] * ctas
+    for tile, (_, mb) in enumerate(_walk_order(batch_heads, num_mb, causal, section)):
+        p = min(range(ctas), key=lambda c: (busy_until[c], c)) if dynamic else tile % ctas
+        expected[p] += per_block[mb]
+        busy_until[p] += per_block[mb]
+    assert hopper_fwd.walk_work(batch_heads, n, m, ctas, causal, dynamic=dynamic, section=section) == expected
+    if (batch_heads, n, causal, dynamic) == (16, 16384, True, False):  # the numbers the Hopper page quotes
+        work = expected
+        assert (work[0], work[64], max(work)) == (1568, 544, 1568)
+        assert round(max(work) / (sum(work) / ctas), 2) == 1.57
+    if (batch_heads, n, causal, dynamic) == (256, 1024, True, True):
+        assert round(max(expected) / (sum(expected) / ctas), 2) == 1.02
+
+
+@settings(max_examples=200, deadline=None)
+@given(ctas=st.integers(1, 8), extra=st.integers(0, 24), seed=st.integers(0, 2**32 - 1))
+def test_dynamic_walk_draws_every_tile_once_and_its_last_draw_resets_the_counter(ctas, extra, seed):
+    """The Gluon forward's dynamic walk (hopper_fwd._fa_producer), run as a model in which each
+    CTA's atomic add is one indivisible step and the CTAs' steps interleave at random: from a zero
+    counter, every tile is walked exactly once; the draws number as many as the tiles and return
+    0 .. tiles - 1; exactly one CTA resets the counter, after the last draw of the launch; and the
+    counter ends at zero, as the next launch on the stream needs (the Hopper page's claim)."""
+    import random
+
+    tiles = ctas + extra  # the launcher starts at most one CTA per tile
+    counter, taken, draws, resets = [0], [], [], []
+
+    def cta(pid):
+        tile, drawn = pid, 0
+        while tile < tiles:
+            taken.append(tile)
+            yield  # the tile's work: other CTAs may draw meanwhile
+            drawn = counter[0]
+            counter[0] += 1  # gl.atomic_add: read and add in one step
+            draws.append(drawn)
+            tile = ctas + drawn
+            yield
+        if drawn == tiles - 1:
+            counter[0] = 0  # gl.atomic_xchg(counter_ptr, 0)
+            resets.append(len(draws))
+        yield
+
+    rng = random.Random(seed)
+    live = [cta(pid) for pid in range(ctas)]
+    while live:
+        walker = rng.choice(live)
+        try:
+            next(walker)
+        except StopIteration:
+            live.remove(walker)
+    assert sorted(taken) == list(range(tiles))
+    assert sorted(draws) == list(range(tiles))
+    assert resets == [tiles]  # one reset, made when all the launch's draws had been made
+    assert counter == [0]
+
+
+def test_hopper_forward_walks_persistently_where_it_measured_faster():
+    """The default walk: persistent and static without a mask at D <= 128, one CTA per query block
+    without a mask at D = 256, persistent and dynamic under causal; sections of about one query
+    block per CTA."""
+    from flashattn import hopper_fwd
+
+    assert hopper_fwd.schedule_default(64, False) == hopper_fwd.schedule_default(128, False) == (True, False)
+    assert hopper_fwd.schedule_default(256, False) == (False, False)
+    assert all(hopper_fwd.schedule_default(d, True) == (True, True) for d in (64, 128, 256))
+    assert [hopper_fwd.section_default(256, n, 132) for n in (1024, 2048, 4096, 8192, 16384, 65536)] == [
+        16, 8, 4, 2, 1, 1]
+    assert hopper_fwd.section_default(3, 1024, 132) == 3 and hopper_fwd.section_default(64, 1000, 132) == 16
+
+
+@pytest.mark.parametrize("d, causal, kw, grid, dynamic, section, qbufs", [
+    (128, True, {}, 132, True, 16, 1),                      # 8 blocks per head, 256 heads: sections of 16
+    (128, False, {}, 132, False, 1, 2),                     # static walk, next Q in a second buffer
+    (64, False, {}, 132, False, 1, 2),
+    (128, False, dict(q_buffers=1), 132, False, 1, 1),
+    (128, True, dict(q_buffers=2), 132, True, 16, 2),
+    (256, False, {}, 2048, False, 1, 1),                    # one CTA per block
+    (256, True, dict(section=5), 132, True, 5, 1),          # O staged in the one Q buffer
+    (128, True, dict(persistent=False), 2048, False, 1, 1),
+    (128, True, dict(pingpong=True), 2048, False, 1, 1),    # ping-pong: one tile per CTA
+])
+def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d, causal, kw, grid, dynamic,
+                                                                 section, qbufs):
+    """hopper_fwd.forward's host code up to the launch, on the CPU (the kernel, the descriptors and
+    the SM count stubbed): the grid, the walk's constexprs (the Q buffers included), the section and
+    for a dynamic walk a zeroed counter of its own, which a recording keeps as the call's counter."""
+    from flashattn import device_helpers, launch as launch_mod, tensors, hopper_fwd
+
+    launches = []
+    _stub_gluon_forward_launch(monkeypatch, launches)
+    q, k, v = (torch.randn(32, 8, 1024, d, dtype=torch.bfloat16) for _ in range(3))
+    o, lse = hopper_fwd.forward(q, k, v, causal, **kw)
+    assert o.shape == q.shape and lse.shape == (32, 8, 1024)
+    [(kernel, launched_grid, args, constexprs)] = launches
+    assert kernel == "kernel" and launched_grid == grid
+    assert constexprs["DYNAMIC"] == dynamic and constexprs["CAUSAL"] == causal and constexprs["QBUFS"] == qbufs
+    counter, bh, sect = args[5], args[6], args[11]
+    assert bh == 256 and sect == section
+    if dynamic:
+        assert counter.dtype == torch.int32 and counter.tolist() == [0] and counter is not lse
+        record = launch_mod.Recording("key")
+        hopper_fwd.forward(q, k, v, causal, record=record, **kw)
+        again = launches[-1][2][5]
+        assert again.tolist() == [0] and again is not counter  # a counter per call
+        assert record.counters == [again]  # a recipe made from it makes each replay's own
+
+
+@pytest.mark.parametrize("which, d", [("dkdv", 128), ("dq", 128), ("dq", 256)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_backward_host_code_launches_one_cta_per_block(monkeypatch, which, d, causal):
+    """hopper_bwd.dkdv's and hopper_bwd.dq's host code up to the launch, on the CPU (the kernels and
+    the descriptors stubbed): one CTA per block of keys (dK/dV) or of 128 query rows (dQ), the scale
+    in base 2 and as given, the outputs described for TMA; dQ's K and V tiles of 64 keys, and of 32 at
+    D = 256 (what fits shared memory there)."""
+    from flashattn import hopper_bwd, hopper_fwd
+    from flashattn.constants import LOG2E
+
+    launches = []
+    for name in ("_get_kernel", "_get_dq_kernel"):
+        monkeypatch.setattr(hopper_bwd, name, lambda: "kernel")
+    monkeypatch.setattr(hopper_fwd, "descriptor", lambda t, rows: ("desc", t.data_ptr(), rows))
+    monkeypatch.setattr(hopper_fwd, "launch", lambda *a, **k: launches.append(a))
+    b, hq, hkv, n, m = 2, 8, 2, 1000, 700
+    q, do = (torch.randn(b, hq, n, d, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, hkv, m, d, dtype=torch.bfloat16) for _ in range(2))
+    lse2, delta = (torch.zeros(b, hq, n) for _ in range(2))
+    if which == "dkdv":
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        hopper_bwd.dkdv(q, k, v, do, lse2, delta, dk, dv, causal, 0.125)
+        outputs, grid = (dk, dv), -(-m // hopper_bwd.BLOCK_N) * b * hkv
+    else:
+        dq = torch.empty_like(q)
+        hopper_bwd.dq(q, k, v, do, lse2, delta, dq, causal, 0.125)
+        outputs, grid = (dq,), -(-n // 128) * b * hq
+    [(kernel, launched_grid, args, constexprs)] = launches
+    assert kernel == "kernel" and launched_grid == grid and constexprs["CAUSAL"] == causal
+    described = {a[1] for a in args if isinstance(a, tuple) and a[0] == "desc"}
+    assert {x.data_ptr() for x in (q, k, v, do, *outputs)} <= described
+    assert args[-2:] == (0.125 * LOG2E, 0.125) and all(any(a is x for a in args) for x in (lse2, delta))
+    if which == "dq":
+        keys = {a[2] for a in args if isinstance(a, tuple) and a[0] == "desc" and a[1] in (k.data_ptr(), v.data_ptr())}
+        assert keys == {32 if d == 256 else hopper_bwd.DQ_BLOCK_N} and constexprs["BLOCK_N"] == keys.pop()
+        assert constexprs["STAGES"] == hopper_bwd.DQ_STAGES
+
+
+# (B, Hq, Hkv, N, M, causal, layout, logit scale) of the Gluon kernels' float64 checks
+_GLUON_CASES = [
+    (2, 4, 4, 1000, 1000, False, "bhnd", 1.0),
+    (2, 4, 4, 300, 777, True, "bhnd", 1.0),  # N < M: every query also sees the prefix
+    (2, 4, 2, 777, 300, True, "bnhd", 1.0),  # GQA, N > M: the first 477 rows see no key
+    (1, 8, 2, 1024, 1024, True, "bhnd", 3.0),  # large logits
+    (1, 6, 1, 130, 3, False, "bnhd", 1.0),  # multi-query, three keys
+]
+
+
+def _gluon_dispatched(q, k, causal, kernels=("fwd", "bwd_dkdv", "bwd_dq")):
+    problem = Problem.of(q, k, causal)
+    return {kernel: _config.gluon_kernel(kernel, problem, q.device) for kernel in kernels}
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("b, h_q, h_kv, n, m, causal, layout, std", _GLUON_CASES + [
+    (1, 2, 2, 64, 200, True, "bhnd", 1.0),  # one query block, ragged key blocks
+])
+def test_gluon_kernels_match_float64(monkeypatch, dtype, d, b, h_q, h_kv, n, m, causal, layout, std):
+    """The package's forward and backward with the Gluon kernels dispatched at every size (the work
+    bar lowered to 0) against float64: ragged N != M, empty causal rows, GQA, transposed layouts."""
+    monkeypatch.setattr(_config, "GLUON_MIN_WORK", collections.defaultdict(lambda: (0, 0)))
+    # the dK/dV kernel is built for D = 64 too (not dispatched: it loses there); the forward is tested
+    # at D = 64 above
+    monkeypatch.setattr(_config, "GLUON_HEAD_DIMS", {"fwd": (128, 256), "bwd_dkdv": (64, 128), "bwd_dq": ()})
+    monkeypatch.setattr(_config, "_GLUON", {})
+    q, k, v, do = _inputs(b, h_q, h_kv, n, m, d, dtype, layout=layout, std=std, seed=n + m + d)
+    dispatched = _gluon_dispatched(q, k, causal)
+    if not any(dispatched.values()):
+        pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
+    assert dispatched == {"fwd": d in (128, 256), "bwd_dkdv": d in (64, 128), "bwd_dq": False}
+    _, (o, lse, dq, dk, dv) = _check_against_reference(q, k, v, do, causal, d ** -0.5)
+    _empty_rows_are_zero(causal, n, m, o, lse, dq)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("b, h_q, h_kv, n, m, causal, layout, std", _GLUON_CASES + [
+    (1, 2, 2, 200, 64, True, "bhnd", 1.0),  # one key block, ragged query blocks
+])
+def test_gluon_dq_kernel_matches_float64(monkeypatch, dtype, d, b, h_q, h_kv, n, m, causal, layout, std):
+    """The Gluon dQ kernel (dispatched at D = 128 and 256 by default; built for D = 64 too) with the
+    rest of the backward, against float64: the rule is opened to it at every size for this test."""
+    monkeypatch.setattr(_config, "GLUON_MIN_WORK", collections.defaultdict(lambda: (0, 0)))
+    monkeypatch.setattr(_config, "GLUON_HEAD_DIMS", {"fwd": (), "bwd_dkdv": (), "bwd_dq": (64, 128, 256)})
+    monkeypatch.setattr(_config, "_GLUON", {})
+    q, k, v, do = _inputs(b, h_q, h_kv, n, m, d, dtype, layout=layout, std=std, seed=n + 3 * m + d)
+    if not _gluon_dispatched(q, k, causal, ("bwd_dq",))["bwd_dq"]:
+        pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
+    _, (o, lse, dq, dk, dv) = _check_against_reference(q, k, v, do, causal, d ** -0.5)
+    _empty_rows_are_zero(causal, n, m, o, lse, dq)
+
+
+@gpu
+@needs_cuda
+def test_gpu_replayed_gluon_causal_forwards_on_two_streams_and_in_a_graph():
+    """The public forward's Gluon causal kernel, each call with a tile counter of its own: replayed
+    calls on two streams at once, calls on the default stream between the replays of a graph captured
+    on a side stream, and the graph's replays all give the bits of the first call."""
+    from flashattn import device_helpers, tensors
+    from flashattn import launch as launch_mod
+
+    inputs = [_inputs(4, 32, 8, 2048, 2048, 128, torch.bfloat16, seed=41 + i)[:3] for i in range(2)]
+    if not _gluon_dispatched(inputs[0][0], inputs[0][1], True, ("fwd",))["fwd"]:
+        pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
+    problem = Problem.of(inputs[0][0], inputs[0][1], True)
+    expected = [attention_forward(*x, problem) for x in inputs]  # the first records the recipe
+    _on_two_streams_at_once(lambda x: attention_forward(*x, problem), inputs, expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = attention_forward(*inputs[0], problem)
+    for _ in range(2):
+        graph.replay()
+        eager = attention_forward(*inputs[1], problem)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(captured, expected[0]))
+        assert all(torch.equal(a, b) for a, b in zip(eager, expected[1]))
+    assert launch_mod._RECIPES  # the calls were replayed, not only recorded
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [128, 256])
+def test_gluon_kernels_at_the_default_bar_match_float64_and_repeat_bitwise(causal, d):
+    """At the real dispatch bars (GLUON_MIN_WORK) the public API runs the Gluon kernels (at D = 256
+    the forward and dQ; at D = 128 the forward, dK/dV and dQ): float64 check, two backward passes
+    bitwise equal, the same bits under a CUDA graph, and the launcher's direct path still on after them."""
+    n = 2897 if d == 128 else 2049  # 2 * 8 * n^2 * d just above the highest bar: 2^34 at D = 128 and 256
+    q, k, v, do = _inputs(2, 8, 2, n, n, d, torch.bfloat16, seed=23)
+    dispatched = _gluon_dispatched(q, k, causal)
+    if not any(dispatched.values()):
+        pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
+    assert dispatched == {"fwd": True, "bwd_dkdv": d == 128, "bwd_dq": True}
+    _check_against_reference(q, k, v, do, causal, d ** -0.5)
+    problem = Problem.of(q, k, causal)
+    o, lse = attention_forward(q, k, v, problem)
+    first = attention_backward(do, q, k, v, o, lse, problem)
+    second = attention_backward(do, q, k, v, o, lse, problem)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        og, lseg = attention_forward(q, k, v, problem)
+        grads = attention_backward(do, q, k, v, og, lseg, problem)
+    for _ in range(2):  # a replay zeroes the causal forward's tile counter again (a captured memset)
+        og.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(og, o) and torch.equal(lseg, lse)
+        assert all(torch.equal(a, b) for a, b in zip(grads, first))
+    from flashattn import launch as launch_mod
+
+    # no launch fell back to Triton's own path for good
+    assert all(entry[1] is not None and entry[2] is not None for entry in launch_mod._COMPILED.values())
