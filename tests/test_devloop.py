@@ -136,3 +136,91 @@ def test_python_m_derivations_reports_each_check_before_the_next_starts(monkeypa
     assert all(f"identity of {n}" in rest.out for n in ("online_softmax", "merge", "d_identity"))
     assert "detail of merge" in rest.out
     assert "2/3 identities pass" in rest.out and "FAILED" in rest.out
+
+
+# ------------------------------------------------------------------------------------------------
+# the build's cache (docs/hooks/site_cache.py)
+# ------------------------------------------------------------------------------------------------
+site_cache = _load("flashattn_site_cache", ROOT / "docs" / "hooks" / "site_cache.py")
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    """A throwaway repository root with its own cache folder."""
+    monkeypatch.setattr(site_cache, "ROOT", tmp_path)
+    monkeypatch.setattr(site_cache, "CACHE", tmp_path / ".cache" / "site")
+    return tmp_path
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_import_closure_follows_every_import_of_the_repository(repo):
+    _write(repo / "pkg" / "__init__.py", "from pkg import a\n")
+    _write(repo / "pkg" / "a.py", "import os\n\ndef f():\n    from . import b  # inside a function\n")
+    _write(repo / "pkg" / "b.py", "from .sub.c import x\n")
+    _write(repo / "pkg" / "sub" / "__init__.py", "")
+    _write(repo / "pkg" / "sub" / "c.py", "x = 1\n")
+    _write(repo / "pkg" / "unused.py", "")
+    _write(repo / "pkg" / "lazy.py", "import importlib\n\ndef load(n):\n    return importlib.import_module(f'pkg.{n}')\n")
+    _write(repo / "main.py", "import pkg.a\n")
+    _write(repo / "dyn.py", "import pkg.lazy\n")
+    rel = lambda paths: sorted(p.relative_to(repo).as_posix() for p in paths)  # noqa: E731
+    assert rel(site_cache.import_closure([repo / "main.py"], [repo])) == [
+        "main.py", "pkg/__init__.py", "pkg/a.py", "pkg/b.py", "pkg/sub/__init__.py", "pkg/sub/c.py"]
+    # a computed import_module counts as the whole package, unless the file is the unit's runner
+    assert "pkg/unused.py" in rel(site_cache.import_closure([repo / "dyn.py"], [repo]))
+    assert "pkg/unused.py" not in rel(site_cache.import_closure([repo / "dyn.py"], [repo], runner=repo / "pkg" / "lazy.py"))
+
+
+def test_an_entry_is_used_only_while_every_input_is_unchanged(repo, monkeypatch):
+    src = _write(repo / "m.py", "VALUE = 1\n")
+    monkeypatch.setattr(site_cache, "STARTED", time.time() + 1)  # as if this process started after the edit
+    calls = []
+
+    def fn():
+        calls.append(1)
+        return {"value": src.read_text()}
+
+    assert site_cache.cached_call("unit", fn, [src]) == ({"value": "VALUE = 1\n"}, False)
+    assert site_cache.cached_call("unit", fn, [src]) == ({"value": "VALUE = 1\n"}, True)
+    src.write_text("VALUE = 2\n")
+    monkeypatch.setattr(site_cache, "STARTED", time.time() + 1)
+    assert site_cache.cached_call("unit", fn, [src]) == ({"value": "VALUE = 2\n"}, False)
+    src.write_text("VALUE = 1\n")  # reverted: the first entry is still there
+    assert site_cache.cached_call("unit", fn, [src]) == ({"value": "VALUE = 1\n"}, True)
+    assert len(calls) == 2
+    # a file opened while the unit ran is an input too
+    data = _write(repo / "data.txt", "a")
+    assert site_cache.cached_call("reads", lambda: data.read_text(), [src]) == ("a", False)
+    data.write_text("b")
+    assert site_cache.cached_call("reads", lambda: data.read_text(), [src]) == ("b", False)
+
+
+def test_a_result_made_from_a_file_edited_after_the_process_started_is_not_stored(repo):
+    src = _write(repo / "m.py", "VALUE = 1\n")
+    os.utime(src, (time.time() + 5, time.time() + 5))  # edited after this process imported its code
+    assert site_cache.cached_call("unit", lambda: 1, [src]) == (1, False)
+    assert site_cache.cached_call("unit", lambda: 1, [src]) == (1, False)
+
+
+def test_a_notebook_is_executed_again_when_a_module_its_kernel_imported_changes(repo):
+    nbformat = pytest.importorskip("nbformat")
+    helper = _write(repo / "nbs" / "helper.py", "VALUE = 6 * 7\n")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import helper\nprint(helper.VALUE)")])
+    nbformat.write(nb, repo / "nbs" / "demo.ipynb")
+
+    def run():
+        notebook = site_cache.Notebook(repo / "nbs" / "demo.ipynb", "python3")
+        executed = nbformat.read(notebook.result(), as_version=4)
+        return notebook.cached, executed.cells[0].outputs[0]["text"]
+
+    assert run() == (False, "42\n")
+    assert run() == (True, "42\n")
+    manifest = site_cache.lookup("notebook-demo")[1]
+    assert {"nbs/demo.ipynb", "nbs/helper.py"} <= set(manifest["inputs"])
+    helper.write_text("VALUE = 43\n")
+    assert run() == (False, "43\n")

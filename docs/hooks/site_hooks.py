@@ -14,7 +14,11 @@
 
 * drops the dead MathJax 2 loader that nbconvert writes into notebook pages.
 
-The checks run in this process, once per build, through ``derivations.run_all``. An unknown
+The checks run in this process, once per build, through ``derivations.run_module``; the notebooks run
+here too, each in a fresh kernel on a thread of its own while the rest of the site builds, and
+mkdocs-jupyter renders the executed copies (its own ``execute`` is off). A check's result, the figures
+and an executed notebook are reused from ``.cache/site/`` while every file they were made from is
+unchanged (``site_cache.py`` says how that is known). An unknown
 directive, a derivation module no page shows or two pages show, and a directive naming a module
 that ``derivations.MODULES`` does not list stop the build with an error. A failing check or an
 unconfirmed erratum logs a warning, which fails ``mkdocs build --strict``.
@@ -32,6 +36,7 @@ import time
 from pathlib import Path
 
 from mkdocs.exceptions import PluginError
+from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File, Files
 
 log = logging.getLogger("mkdocs.hooks.flashattn")
@@ -51,6 +56,12 @@ def _ensure_paths() -> None:
 
 
 _ensure_paths()
+
+import site_cache  # noqa: E402 - needs the path above
+
+# Its one computed import is run_module's import of the module it is asked to run, which only this
+# hook calls (with that module as the unit's start): not an import of every derivation.
+_DERIVATIONS_RUNNER = ROOT / "derivations" / "__init__.py"
 
 _DIRECTIVE = re.compile(r"<!--\s*flashattn:([a-z_-]+)\s*([^>]*?)\s*-->")
 
@@ -72,8 +83,8 @@ def on_config(config):
 
 
 def on_pre_build(config):
-    # Every build (including each rebuild of `mkdocs serve`) runs the checks afresh, on the code as
-    # it is now: drop the imported derivation modules so they are read again.
+    # Every build (including each rebuild of `mkdocs serve`) runs the checks whose inputs changed on
+    # the code as it is now: drop the imported derivation modules so they are read again.
     _state.clear()
     for name in [n for n in sys.modules if n == "derivations" or n.startswith("derivations.")]:
         del sys.modules[name]
@@ -103,7 +114,9 @@ def _mathjax_root() -> Path:
 _MATHJAX_PARTS = ("tex-svg.js", "input/tex/extensions", "a11y", "ui", "sre")
 
 
+@event_priority(-100)  # after mkdocs-jupyter has wrapped the notebooks
 def on_files(files: Files, config):
+    _start_notebooks(files, config)
     es5 = _mathjax_root()
     for part in _MATHJAX_PARTS:
         base = es5 / part
@@ -112,16 +125,21 @@ def on_files(files: Files, config):
             uri = "assets/mathjax/" + path.relative_to(es5).as_posix()
             files.append(File.generated(config, uri, abs_src_path=str(path)))
 
-    import figures
-    import flashattn.schedule
+    def draw():
+        import figures
+        import flashattn.schedule
 
-    # `mkdocs serve` keeps this process alive between rebuilds: draw from the code as it is now.
-    importlib.reload(flashattn.schedule)
-    importlib.reload(figures)
+        # `mkdocs serve` keeps this process alive between rebuilds: draw from the code as it is now.
+        importlib.reload(flashattn.schedule)
+        importlib.reload(figures)
+        return [[name, svg] for name, svg in figures.render_all()]
+
     t0 = time.perf_counter()
-    for name, svg in figures.render_all():
+    drawn, cached = site_cache.cached_call("figures", draw, [HOOKS / "figures.py"], roots=(HOOKS, ROOT),
+                                           runner=_DERIVATIONS_RUNNER)
+    for name, svg in drawn:
         files.append(File.generated(config, f"figures/{name}.svg", content=svg))
-    log.info("figures drawn in %.1f s", time.perf_counter() - t0)
+    log.info("figures %s in %.1f s", "from the cache" if cached else "drawn", time.perf_counter() - t0)
 
     for png in sorted(RESULTS.glob("*.png")) if RESULTS.is_dir() else []:
         files.append(File.generated(config, f"benchmarks/{png.name}", abs_src_path=str(png)))
@@ -162,9 +180,23 @@ def _results() -> dict:
     if "results" not in _state:
         import derivations
 
+        from derivations import CheckResult
+
+        def run(name):
+            result, _seconds = derivations.run_module(name)
+            return result.to_dict()
+
         t0 = time.perf_counter()
-        results = derivations.run_all()
-        log.info("derivations: %d checks in %.1f s", len(results), time.perf_counter() - t0)
+        results, from_cache = [], 0
+        for name in derivations.MODULES:
+            row, cached = site_cache.cached_call(
+                f"derivation-{name}", lambda: run(name), [ROOT / "derivations" / f"{name}.py"],
+                keep=lambda row: row["passed"] and row["negative_control_rejected"],  # failures run again
+                runner=_DERIVATIONS_RUNNER)
+            results.append((CheckResult(**row), 0.0))
+            from_cache += cached
+        log.info("derivations: %d checks in %.1f s (%d from the cache)", len(results),
+                 time.perf_counter() - t0, from_cache)
         if not derivations.all_good(results):
             log.warning("derivations: a check failed or a negative control was accepted")
         _state["rows"] = derivations.as_rows(results)
@@ -301,6 +333,28 @@ _NB_MATHJAX2 = re.compile(
     r'<!-- Load mathjax -->\s*<script src="">\s*</script>.*?<!-- End of mathjax configuration -->',
     re.S,
 )
+
+
+def _start_notebooks(files: Files, config) -> None:
+    """Start executing every notebook whose cached copy is out of date (each on a thread of its own)."""
+    plugin = config["plugins"].get("mkdocs-jupyter")
+    kernel = (plugin.config["kernel_name"] if plugin else "") or "python3"
+    _state["notebooks"] = {f.src_uri: site_cache.Notebook(Path(f.abs_src_path), kernel)
+                           for f in files.documentation_pages() if f.src_uri.endswith(".ipynb")}
+
+
+def on_pre_page(page, config, files):
+    notebook = _state.get("notebooks", {}).get(page.file.src_uri)
+    if notebook is not None:
+        try:
+            executed = notebook.result()
+        except Exception as exc:  # a failing cell fails the build
+            raise PluginError(f"notebook {page.file.src_uri} failed:\n{exc}") from exc
+        log.info("notebook %s %s", page.file.src_uri,
+                 "from the cache" if notebook.cached else f"executed in {notebook.seconds:.1f} s")
+        # mkdocs-jupyter renders (without executing) the file this names.
+        page.file.abs_src_path = str(executed)
+    return page
 
 
 def on_post_page(output: str, page, config):
