@@ -38,7 +38,7 @@ MODULES = {"tl", "gl"}
 DESCRIPTORS = {"TensorDescriptor", "make_tensor_descriptor", "from_tensor"}
 
 
-# --8<-- [start:scan]
+# --8<-- [start:proof]
 def _is_call(node, names, modules=MODULES) -> bool:
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names
             and isinstance(node.func.value, ast.Name) and node.func.value.id in modules)
@@ -113,10 +113,10 @@ def scan(sources):
 def rule_holds(sources) -> bool:
     loads, descriptors = scan(sources)
     return all(safe for _, _, safe in loads) and all(p == "zero" for _, p in descriptors)
-# --8<-- [end:scan]
+# --8<-- [end:proof]
 
 
-# --8<-- [start:triton]
+# --8<-- [start:numeric]
 def triton_documents() -> dict:
     """What the installed Triton says and does: the masked-out value of tl.load without other=, the
     default padding of host-side descriptors (Triton's and Gluon's), and the values padding accepts."""
@@ -164,7 +164,7 @@ def interpreter_fill():
     x, y = torch.full((8,), 7.0), torch.full((8,), -1.0)
     InterpretedFunction(_probe)[(1,)](x, y, 3)
     return y.tolist()
-# --8<-- [end:triton]
+# --8<-- [end:numeric]
 
 
 def check() -> CheckResult:

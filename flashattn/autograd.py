@@ -46,7 +46,9 @@ def _empty_backward(q, k, v):
 # (the inputs come in the autocast dtype already, flashattn.api.autocast_inputs), as inside the custom operators,
 # which run below autocast.
 @torch.autocast("cpu", enabled=False)
-def _reference_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0):
+def _reference_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, packing=None):
+    if problem.varlen:
+        return _varlen_reference_forward(q, k, v, problem, packing)
     if problem.heads_kv == 0:  # no head at all: the reference's head groups need one
         return _empty_forward(q, problem)
     o, lse = reference.online_forward(q, k, v, problem.causal, problem.scale, **_variants(problem, alibi_slopes, seed))
@@ -54,7 +56,10 @@ def _reference_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int =
 
 
 @torch.autocast("cpu", enabled=False)
-def _reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0):
+def _reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
+                        packing=None):
+    if problem.varlen:
+        return _varlen_reference_backward(do, q, k, v, o, lse, problem, dlse, packing)
     if problem.heads_kv == 0:
         return _empty_backward(q, k, v)
     dq, dk, dv = reference.online_backward(do, q, k, v, o, lse, problem.causal, problem.scale, dlse=dlse,
@@ -93,7 +98,7 @@ def _split_kv_forward(decode_kernels, q, k, v, problem: Problem):
     all M keys. The output keeps q's layout (:func:`dense_like`); lse is (B, Hq, N) float32."""
     o = dense_like(q)
     _, lse = decode_kernels.launch_decode(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), problem.m, None,
-                                          None, None, problem.causal, problem.scale, problem.m, out=o.transpose(1, 2))
+                                          None, None, problem, problem.m, out=o.transpose(1, 2))
     return o, lse
 
 
@@ -106,17 +111,14 @@ def _kernel_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slo
         return backward.launch_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed, packing)
 
 
-@torch.autocast("cpu", enabled=False)
-def _varlen_reference_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, packing=None):
+def _varlen_reference_forward(q, k, v, problem: Problem, packing):
     # 16-bit CPU inputs run in float32 and round back, as the tile-by-tile reference does
     wide = q.dtype if q.dtype == torch.float64 else torch.float32
     o, lse = reference.varlen_attention(q.to(wide), k.to(wide), v.to(wide), *packing, problem.causal, problem.scale)
     return in_layout(o.to(q.dtype), q), lse
 
 
-@torch.autocast("cpu", enabled=False)
-def _varlen_reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
-                               packing=None):
+def _varlen_reference_backward(do, q, k, v, o, lse, problem: Problem, dlse, packing):
     """The tile-by-tile reference backward (:func:`flashattn.reference.online_backward`), one sequence at a
     time. Not autograd: inside a custom operator autograd does not record."""
     dq, dk, dv = dense_like(q).zero_(), dense_like(k).zero_(), dense_like(v).zero_()
@@ -134,19 +136,15 @@ def _varlen_reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None,
     return dq, dk, dv
 
 
-def backend(use_kernels: bool, varlen: bool = False):
+def backend(use_kernels: bool):
     """``(forward, backward)`` of the Triton kernels, or of the PyTorch tile-by-tile reference.
 
     ``forward(q, k, v, problem, alibi_slopes=None, seed=0, packing=None) -> (o, lse)``;
     ``backward(do, q, k, v, o, lse, problem, dlse=None, alibi_slopes=None, seed=0, packing=None)
     -> (dq, dk, dv)``. ``alibi_slopes`` matters when ``problem.alibi``, ``seed`` when
-    ``problem.dropout_p`` > 0. With ``varlen`` (packed sequences, no variants yet) both take
-    ``packing = (cu_seqlens_q, cu_seqlens_k)``, and the reference is
-    :func:`flashattn.reference.varlen_attention`.
+    ``problem.dropout_p`` > 0, and ``packing = (cu_seqlens_q, cu_seqlens_k)`` when ``problem.varlen``
+    (packed sequences, whose reference is :func:`flashattn.reference.varlen_attention`).
     """
-    if varlen:
-        return (_kernel_forward, _kernel_backward) if use_kernels else (_varlen_reference_forward,
-                                                                        _varlen_reference_backward)
     return (_kernel_forward, _kernel_backward) if use_kernels else (_reference_forward, _reference_backward)
 
 
@@ -187,28 +185,37 @@ def not_twice(grads: tuple, *sources) -> tuple:
 
 
 class AttentionFunction(torch.autograd.Function):
-    """``apply(q, k, v, problem, use_kernels, alibi_slopes=None, seed=0) -> (o, lse)``, differentiable in
-    q, k, v through both outputs (the ALiBi slopes get no gradient).
+    """``apply(q, k, v, problem, use_kernels, alibi_slopes=None, seed=0, cu_seqlens_q=None,
+    cu_seqlens_k=None) -> (o, lse)``, differentiable in q, k, v through both outputs (the ALiBi slopes
+    get no gradient), for every layout of :class:`Problem`: dense, or packed sequences with their
+    cumulative lengths.
 
     ``use_kernels`` picks the Triton kernels (GPU, or CPU under ``TRITON_INTERPRET=1``) or the
     reference, whose backward is the explicit online backward, not autograd through its loops. The
     dropout seed is kept for the backward, which draws the same mask again.
+
+    Eager calls come here; calls traced by ``torch.compile`` reach the same backends through the
+    custom operator (:mod:`flashattn.custom_ops`) and its registered autograd, which skip nothing
+    but cost a short eager call the dispatcher's microseconds (``benchmarks.autograd_paths``).
     """
 
     @staticmethod
-    def run_forward(q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=None, seed: int = 0):
+    def run_forward(q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=None, seed: int = 0,
+                    cu_seqlens_q=None, cu_seqlens_k=None):
         """The forward pass alone, ``(o, lse)``, for calls that need no gradient: the same backend
         :meth:`forward` runs, without the autograd bookkeeping."""
-        forward, _ = backend(use_kernels)
-        return forward(q, k, v, problem, alibi_slopes, seed)
+        packing = None if cu_seqlens_q is None else (cu_seqlens_q, cu_seqlens_k)
+        return backend(use_kernels)[0](q, k, v, problem, alibi_slopes, seed, packing)
 
     @staticmethod
-    def forward(ctx, q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=None, seed: int = 0):
-        o, lse = AttentionFunction.run_forward(q, k, v, problem, use_kernels, alibi_slopes, seed)
-        if alibi_slopes is None:
+    def forward(ctx, q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=None, seed: int = 0,
+                cu_seqlens_q=None, cu_seqlens_k=None):
+        o, lse = AttentionFunction.run_forward(q, k, v, problem, use_kernels, alibi_slopes, seed, cu_seqlens_q,
+                                               cu_seqlens_k)
+        if alibi_slopes is None and cu_seqlens_q is None:  # the plain call saves no None: a short call feels each
             ctx.save_for_backward(q, k, v, o, lse)
         else:
-            ctx.save_for_backward(q, k, v, o, lse, alibi_slopes)
+            ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
         # one attribute, not four: a short call feels each; the tuning because the backward may run
         # on another thread
         ctx.call = (problem, use_kernels, seed, _config.current_tuning())
@@ -218,15 +225,16 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         problem, use_kernels, seed, tuning = ctx.call
-        q, k, v, o, lse, *alibi_slopes = ctx.saved_tensors
+        q, k, v, o, lse, *extras = ctx.saved_tensors
+        alibi_slopes, cu_q, cu_k = extras if extras else (None, None, None)
         if do is None:  # only the LSE was used
             do = torch.zeros_like(o)
         with _config.tuning_of(tuning):
-            grads = backend(use_kernels)[1](do, q, k, v, o, lse, problem, dlse,
-                                            alibi_slopes[0] if alibi_slopes else None, seed)
+            grads = backend(use_kernels)[1](do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed,
+                                            None if cu_q is None else (cu_q, cu_k))
         if use_kernels:
             grads = not_twice(grads, do, dlse, q, k, v)
-        return *grads, None, None, None, None
+        return *grads, None, None, None, None, None, None
 
 
 _functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
@@ -234,7 +242,8 @@ _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 _base_apply = super(torch.autograd.Function, AttentionFunction).apply  # the C++ apply it inherits
 
 
-def attention_apply(q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=None, seed: int = 0):
+def attention_apply(q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=None, seed: int = 0,
+                    cu_seqlens_q=None, cu_seqlens_k=None):
     """``AttentionFunction.apply`` without its Python wrapper where that wrapper would do nothing.
 
     ``torch.autograd.Function.apply`` first unwraps leftover functorch wrappers from its arguments
@@ -242,37 +251,9 @@ def attention_apply(q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=N
     with neither, it calls the C++ ``apply`` it inherits. This calls that one directly when no
     transform is active and no input is a functorch wrapper, and the wrapper otherwise: a short call
     feels the microseconds of the walk."""
-    args = (q, k, v, problem, use_kernels, alibi_slopes, seed)
+    args = (q, k, v, problem, use_kernels, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k)
     if (_functorch_wrapped is None or _functorch_active is None or _functorch_active()
             or _functorch_wrapped(q) or _functorch_wrapped(k) or _functorch_wrapped(v)
             or (alibi_slopes is not None and _functorch_wrapped(alibi_slopes))):
         return AttentionFunction.apply(*args)
     return _base_apply(*args)
-
-
-class VarlenFunction(torch.autograd.Function):
-    """``apply(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, use_kernels) -> (o, lse)`` for packed
-    sequences (:func:`flashattn.attention_varlen`), differentiable in both outputs like
-    :class:`AttentionFunction`."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, problem: Problem, use_kernels: bool):
-        forward, _ = backend(use_kernels, varlen=True)
-        o, lse = forward(q, k, v, problem, packing=(cu_seqlens_q, cu_seqlens_k))
-        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
-        ctx.problem, ctx.use_kernels = problem, use_kernels
-        ctx.tuning = _config.current_tuning()
-        ctx.set_materialize_grads(False)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, dlse):
-        _, backward = backend(ctx.use_kernels, varlen=True)
-        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
-        if do is None:  # only the LSE was used
-            do = torch.zeros_like(o)
-        with _config.tuning_of(ctx.tuning):
-            grads = backward(do, q, k, v, o, lse, ctx.problem, dlse, packing=(cu_q, cu_k))
-        if ctx.use_kernels:
-            grads = not_twice(grads, do, dlse, q, k, v)
-        return *grads, None, None, None, None

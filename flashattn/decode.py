@@ -16,32 +16,15 @@ before anything is written or launched; this module does not import Triton (the 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 
 import torch
 
 from flashattn import reference
 from flashattn.api import check_dtype_for_device, check_flag, check_scale, is_int
 from flashattn.autograd import launchers, use_kernels
+from flashattn.problem import Problem
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
-
-
-@dataclass(frozen=True)
-class DecodeProblem:
-    """The validated shape of one call: what the launcher and the reference need to know."""
-
-    batch: int
-    n_q: int
-    h_q: int
-    h_kv: int
-    head_dim: int
-    n_new: int
-    page_size: int  # 0 for a contiguous cache
-    capacity: int  # most keys a sequence can hold: Mmax, or max_pages * page_size
-    causal: bool
-    scale: float
 
 
 def _check_tensor(name, x, dims, layout):
@@ -52,7 +35,7 @@ def _check_tensor(name, x, dims, layout):
 
 
 def _validate(q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal, scale, block_table, num_splits,
-              return_lse) -> DecodeProblem:
+              return_lse) -> Problem:
     _check_tensor("q", q, 4, "(B, Nq, Hq, D)")
     paged = block_table is not None
     cache_layout = "(num_pages, page_size, Hkv, D)" if paged else "(B, Mmax, Hkv, D)"
@@ -144,11 +127,10 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal, scale, b
             if x is not None and x.requires_grad:
                 raise ValueError(f"attention_with_kvcache is forward only (no gradients), but {name} requires grad; "
                                  "call it under torch.no_grad() or torch.inference_mode()")
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    return DecodeProblem(batch, n_q, h_q, h_kv, d, n_new, page_size, capacity, causal, scale)
+    return Problem.cache(q, k_cache, capacity, causal, scale, page_size=page_size, n_new=n_new)
 
 
-def _check_lengths(seq_lens: torch.Tensor, block_table, p: DecodeProblem, num_pages: int):
+def _check_lengths(seq_lens: torch.Tensor, block_table, p: Problem, num_pages: int):
     """The checks that need the lengths' values: one small reduction and one device sync.
 
     Skipped while a CUDA graph is being captured (a sync is not allowed there); a graph's inputs
@@ -164,9 +146,9 @@ def _check_lengths(seq_lens: torch.Tensor, block_table, p: DecodeProblem, num_pa
     values = torch.stack(stats).tolist()
     if values[0] < 0:
         raise ValueError(f"cache_seqlens must be non-negative, got a minimum of {values[0]}")
-    if values[1] > p.capacity:
+    if values[1] > p.m:
         raise ValueError(f"cache_seqlens + Nnew ({values[1]} at most) must not exceed the capacity of the cache "
-                         f"({p.capacity} keys{' = max_pages * page_size' if block_table is not None else ' = Mmax'})")
+                         f"({p.m} keys{' = max_pages * page_size' if block_table is not None else ' = Mmax'})")
     if block_table is not None and values[2]:
         raise ValueError(f"block_table has {values[2]} entries outside [0, {num_pages}) among the pages the sequences use")
 
@@ -240,13 +222,13 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     else:
         seq_lens = cache_seqlens
         _check_lengths(seq_lens, block_table, p, k_cache.shape[0])
-        max_keys = p.capacity
+        max_keys = p.m
     if kernels:
         # the append (when k_new is given) and the attention, in one launcher call
         _, _, decode_kernels, tensors = launchers()
         with tensors.on_device(q):  # Triton launches on the current device: the inputs'
-            o, lse = decode_kernels.launch_decode(
-                q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, p.causal, p.scale, max_keys, num_splits)
+            o, lse = decode_kernels.launch_decode(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, p, max_keys,
+                                                  num_splits)
     else:
         if p.n_new:
             _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table)

@@ -34,6 +34,7 @@ from flashattn.device_helpers import decode_split_range as _decode_split_range
 from flashattn.device_helpers import fwd_end_visible_key as _fwd_end_visible_key
 from flashattn.device_helpers import fwd_first_masked_key as _fwd_first_masked_key
 from flashattn.launch import launch, recording, replay
+from flashattn.problem import Problem
 from flashattn.problem import head_dim_block as _head_dim_block
 from flashattn.tensors import ceil_div
 from flashattn.tensors import interpreter_needs_float32 as _interpreter_needs_float32
@@ -359,8 +360,8 @@ def _scratch(shape, device) -> torch.Tensor:
 
 
 # --8<-- [start:decode-launch]
-def launch_decode(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, causal: bool, scale: float,
-                  max_keys: int, num_splits: int | None = None, out=None):
+def launch_decode(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, problem: Problem, max_keys: int,
+                  num_splits: int | None = None, out=None):
     """Append ``k_new``/``v_new`` (None: nothing to append) to the cache in place, then run split-KV
     decoding on it.
 
@@ -381,7 +382,7 @@ def launch_decode(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, caus
             _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table, None)
             seq_lens = seq_lens + k_new.shape[1] if scalar else (seq_lens + k_new.shape[1]).to(torch.int32)
         o, lse = launch_decode(q.float(), k_cache.float(), v_cache.float(), seq_lens, None, None, block_table,
-                               causal, scale, max_keys, num_splits)
+                               problem, max_keys, num_splits)
         if out is None:
             return o.to(q.dtype), lse
         out.copy_(o)
@@ -405,7 +406,8 @@ def launch_decode(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, caus
     # length is the launches' one per-call integer, so a loop whose cache grows keeps replaying.
     key = ("decode", q.dtype, q.device, q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(),
            scalar or seq_lens.stride(), None if not paged else (block_table.shape, block_table.stride()),
-           None if not n_new else (k_new.shape, k_new.stride(), v_new.stride()), causal, scale, num_splits,
+           None if not n_new else (k_new.shape, k_new.stride(), v_new.stride()), problem.causal, problem.scale,
+           num_splits,
            None if out is None else out.stride())
     # a caller's ``out`` is one of the inputs a replay takes; otherwise a replay allocates o itself
     inputs = (q, k_cache, v_cache, None if scalar else seq_lens, block_table, k_new, v_new, out)
@@ -432,8 +434,8 @@ def launch_decode(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, caus
            (q, k_cache, v_cache, lens, table, o_part, lse_part, o, lse, free[0],
             *q.stride(), *k_cache.stride(), *v_cache.stride(),
             block_table.stride(0) if paged else 0, *o.stride(),
-            h_kv, n_q, n_new, num_splits, scale * LOG2E.value),
-           dict(GROUP=group, PAGE_SIZE=k_cache.shape[1] if paged else 0, CAUSAL=causal, DIRECT=direct,
+            h_kv, n_q, n_new, num_splits, problem.qk_scale),
+           dict(GROUP=group, PAGE_SIZE=k_cache.shape[1] if paged else 0, CAUSAL=problem.causal, DIRECT=direct,
                 SCALAR_LEN=scalar, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n),
            cfg.options(), record)
     if not direct:

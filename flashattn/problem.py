@@ -1,9 +1,11 @@
-"""One small, immutable description of an attention call.
+"""One small, immutable description of an attention call, whatever its entry point.
 
-:mod:`flashattn.api` validates the tensors and options once and builds a :class:`Problem`; everything
-after it (the references, :mod:`flashattn._config`, the launchers, the custom operator) takes that
-description instead of a growing list of loose arguments. New options (windows, softcap, packed
-sequences, ...) become new fields here, validated in one place.
+The entry points (:mod:`flashattn.api`, :mod:`flashattn.varlen`, :mod:`flashattn.decode`) validate the
+tensors and options once and build a :class:`Problem`; everything after them (the references,
+:mod:`flashattn._config`, the launchers, the custom operator) takes that description instead of a
+growing list of loose arguments. Dense tensors, packed sequences and a (paged) KV cache are its
+layouts (:data:`LAYOUTS`): how query rows and keys are addressed, not separate problems. The variants
+are its fields, each converted once into the one spelling the kernels test.
 """
 
 from __future__ import annotations
@@ -47,23 +49,32 @@ class Problem:
     softcap: float = 0.0  # > 0: the score s becomes softcap * tanh(s / softcap)
     alibi: bool = False  # the call passes per-head slopes: -slope * |i + M - N - j| joins the score
     dropout_p: float = 0.0  # probability of dropping an entry of P (the seed is per call, not here)
-    # Packed sequences (flashattn.varlen): batch counts the sequences, n and m are the longest ones
+    # How the rows are addressed (LAYOUTS). "dense": q (B, Hq, N, D), k, v (B, Hkv, M, D).
+    # "packed" (flashattn.varlen): batch counts the sequences, n and m are the longest ones
     # (max_seqlen_q, max_seqlen_k), and the tensors hold total_q and total_k rows per head.
-    varlen: bool = False
+    # "cache" (flashattn.decode): q (B, N, Hq, D) against a KV cache of m = capacity keys per sequence,
+    # (B, M, Hkv, D), or pages of page_size rows through a block table; n_new keys are appended first.
+    layout: str = "dense"
     total_q: int = 0
     total_k: int = 0
+    page_size: int = 0
+    n_new: int = 0
 
     def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         # hashed once: a problem keys the launchers' recipes, looked up on every call
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in self.__dataclass_fields__)))
+        varlen = self.layout == "packed"
+        object.__setattr__(self, "varlen", varlen)  # read on every launch: an attribute, not a property
         # no batch, head, query or key: nothing for a kernel to do (flashattn.autograd answers it)
-        object.__setattr__(self, "empty", not self.varlen and self.batch * self.heads_q * self.n * self.m == 0)
+        object.__setattr__(self, "empty", not varlen and self.batch * self.heads_q * self.n * self.m == 0)
         object.__setattr__(self, "_constexprs", dict(
             HAS_WINDOW=self.window is not None, SOFTCAP=self.softcap > 0, ALIBI=self.alibi,
-            DROPOUT=self.dropout_p > 0, VARLEN=self.varlen))
-        plain = not (self.varlen or self.window is not None or self.softcap or self.alibi or self.dropout_p)
-        object.__setattr__(self, "_split_kv", plain and not self.empty and self.n <= SPLIT_KV_MAX_QUERIES
-                           and self.m >= SPLIT_KV_MIN_KEYS and self.scale >= 0)
+            DROPOUT=self.dropout_p > 0, VARLEN=varlen))
+        plain = not (self.window is not None or self.softcap or self.alibi or self.dropout_p)
+        object.__setattr__(self, "_split_kv", self.layout == "dense" and plain and not self.empty
+                           and self.n <= SPLIT_KV_MAX_QUERIES and self.m >= SPLIT_KV_MIN_KEYS and self.scale >= 0)
 
     def __hash__(self) -> int:
         return self._hash
@@ -95,7 +106,16 @@ class Problem:
         total_q, heads_q, head_dim = q.shape
         scale = _scale(scale, head_dim)
         return cls(n_seqs, heads_q, k.shape[1], int(max_seqlen_q), int(max_seqlen_k), head_dim, q.dtype,
-                   bool(causal), scale, varlen=True, total_q=total_q, total_k=k.shape[0])
+                   bool(causal), scale, layout="packed", total_q=total_q, total_k=k.shape[0])
+
+    @classmethod
+    def cache(cls, q: torch.Tensor, k_cache: torch.Tensor, capacity: int, causal: bool = True,
+              scale: float | None = None, page_size: int = 0, n_new: int = 0) -> "Problem":
+        """The description of decoding: q (B, Nq, Hq, D) against a KV cache of ``capacity`` keys per
+        sequence, k_cache (B, Mmax, Hkv, D) or pages (num_pages, page_size, Hkv, D)."""
+        batch, n_q, heads_q, head_dim = q.shape
+        return cls(batch, heads_q, k_cache.shape[2], n_q, int(capacity), head_dim, q.dtype, bool(causal),
+                   _scale(scale, head_dim), layout="cache", page_size=int(page_size), n_new=int(n_new))
 
     @property
     def group(self) -> int:
@@ -143,6 +163,8 @@ class Problem:
         pack a group's query heads into one tile and deal the keys out to several programs."""
         return self._split_kv
 
+
+LAYOUTS = ("dense", "packed", "cache")
 
 # The dense forward hands few-query problems to the split-KV kernels from these sizes on.
 SPLIT_KV_MAX_QUERIES = 16

@@ -16,7 +16,7 @@ import torch
 
 from flashattn.api import (MAX_HEAD_DIM, MIN_HEAD_DIM, autocast_inputs, check_dtype_for_device, check_flag,
                            check_scale, check_tensors, is_int)
-from flashattn.autograd import VarlenFunction, use_kernels
+from flashattn.autograd import AttentionFunction, attention_apply, use_kernels
 from flashattn.problem import Problem
 
 
@@ -131,11 +131,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     if not compiling and (validate or q.device.type == "cpu"):
         _check_cu_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if compiling:
-        o, lse = torch.ops.flashattn.attention_varlen_forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
+        o, lse = torch.ops.flashattn.attention_forward(
+            q, k, v, causal, scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k)
     else:
         problem = Problem.packed(q, k, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, causal, scale)
-        o, lse = VarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, use_kernels(q))
+        args = (q, k, v, problem, use_kernels(q), None, 0, cu_seqlens_q, cu_seqlens_k)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            o, lse = attention_apply(*args)
+        else:
+            o, lse = AttentionFunction.run_forward(*args)
     return (o, lse) if return_lse else o
 
 

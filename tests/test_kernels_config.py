@@ -138,7 +138,7 @@ def test_small_grids_take_smaller_tiles_on_hopper(monkeypatch):
     # softcap and ALiBi take the table's tiles, so its small-grid tiles too
     assert get("fwd", 1, 2, 2, 512, 128, softcap=20.0) == get("fwd", 1, 2, 2, 512, 128, alibi=True) == fwd_small
     # packed sequences keep the fixed table (their problem's n is the longest sequence)
-    packed = Problem(2, 4, 4, 300, 300, 128, torch.float16, True, 0.1, varlen=True, total_q=400, total_k=400)
+    packed = Problem(2, 4, 4, 300, 300, 128, torch.float16, True, 0.1, layout="packed", total_q=400, total_k=400)
     assert _config.get_config("fwd", packed, cuda) == table["fwd"]
     monkeypatch.setattr(_config, "_capability", lambda index: (8, 0))
     assert get("fwd", 1, 16, 16, 512, 128) == _config._DEFAULT[("fwd", 128)]

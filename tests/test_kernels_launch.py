@@ -39,8 +39,8 @@ def test_public_api_reaches_the_kernels(causal, monkeypatch):
         calls["bwd"] += 1
         return bwd(*args)
 
-    monkeypatch.setattr(flashattn.forward, "attention_forward", counting_fwd)
-    monkeypatch.setattr(flashattn.backward, "attention_backward", counting_bwd)
+    monkeypatch.setattr(flashattn.forward, "launch_forward", counting_fwd)
+    monkeypatch.setattr(flashattn.backward, "launch_backward", counting_bwd)
     b, h_q, h_kv, n, m, d = (2, 4, 2, 300, 257, 64) if HAS_CUDA else (1, 2, 1, 21, 30, 16)
     q, k, v, do = _inputs(b, h_q, h_kv, n, m, d, torch.float16, seed=7)
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
@@ -232,6 +232,7 @@ def test_a_recipe_zeroes_a_tile_counter_of_its_own_at_every_replay(monkeypatch):
     direct = Reading(capture=True).direct(kernel)
     monkeypatch.setattr(launch_mod, "_RECIPES", {})
     monkeypatch.setattr(launch_mod, "_stream", lambda device: 0)
+    monkeypatch.setattr(launch_mod, "_FAST_PATH", [True])  # the stand-in launch is the fast path on any Triton
     empty = torch.empty_strided
     monkeypatch.setattr(torch, "empty_strided", lambda *a, **k: empty(*a, **k).fill_(7))  # stale memory
 

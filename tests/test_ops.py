@@ -220,10 +220,10 @@ def test_varlen_reference_backward_keeps_the_fake_layout(monkeypatch):
                          fullgraph=True)
     for g, e in zip(torch.autograd.grad(step(q, k, v), (q, k, v)), eager):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-12)
-    o, lse = torch.ops.flashattn.attention_varlen_forward(q, k, v, cu, cu, 4, 4, True, None)
-    args = (torch.randn_like(o), q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), None, cu, cu, 4, 4, True,
-            None)
-    torch.library.opcheck(torch.ops.flashattn.attention_varlen_backward.default, args)
+    packing = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4, max_seqlen_k=4)
+    o, lse = torch.ops.flashattn.attention_forward(q, k, v, True, None, **packing)
+    args = (torch.randn_like(o), q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), None, True, None)
+    torch.library.opcheck(torch.ops.flashattn.attention_backward.default, args, packing)
 
 
 def test_cpu_autocast_runs_float32_in_the_autocast_dtype_eager_and_compiled(monkeypatch):

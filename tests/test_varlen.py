@@ -344,7 +344,8 @@ def test_opcheck_and_compile_fullgraph_on_the_reference_path(monkeypatch):
     q, k, v, do = (x.cpu().double() for x in _pack(lens_q, lens_k, 2, 1, 16, torch.float32, seed=3))
     cu_q, cu_k = _cu(lens_q, "cpu"), _cu(lens_k, "cpu")
     leaves = [x.requires_grad_() for x in (q, k, v)]
-    torch.library.opcheck(torch.ops.flashattn.attention_varlen_forward.default, (*leaves, cu_q, cu_k, 7, 7, True, 0.3))
+    torch.library.opcheck(torch.ops.flashattn.attention_forward.default, (*leaves, True, 0.3),
+                          dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=7, max_seqlen_k=7))
 
     def step(q, k, v, do):
         o, lse = flashattn.attention_varlen(q, k, v, cu_q, cu_k, 7, 7, causal=True, return_lse=True)
