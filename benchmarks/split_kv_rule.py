@@ -3,8 +3,7 @@
     PYTHONPATH=. python -m benchmarks.split_kv_rule --out DIR
 
 ``flashattn.attention`` sends few queries against many keys to the split-KV decoding kernels
-(:attr:`flashattn.problem.Problem.split_kv`, from :data:`~flashattn.problem.SPLIT_KV_MAX_QUERIES`
-and :data:`~flashattn.problem.SPLIT_KV_MIN_KEYS`). This times, for each shape of a sweep around
+(:attr:`flashattn.problem.Problem.split_kv`, :func:`flashattn.problem.split_kv_wins`). This times, for each shape of a sweep around
 those bounds, the same eager forward call with the rule as it is and with the rule turned off (the
 dense forward kernel), and writes the ratio; each output is checked against float64 first. Writes
 ``DIR/split_kv_rule.json`` and ``DIR/split_kv_rule.md``.
@@ -29,18 +28,19 @@ SHAPES = ((1, 32, 8), (16, 32, 8), (4, 8, 8))  # (B, Hq, Hkv)
 
 
 @contextlib.contextmanager
-def rule(max_queries: int, min_keys: int):
-    """Run the ``with`` block under another split-KV rule (every memo table cleared before and after,
-    so no call keeps a description made under the other rule)."""
+def rule(always: bool):
+    """Run the ``with`` block with every plain dense call on the split-KV kernels (``always``) or none
+    (every memo table cleared before and after, so no call keeps a description made under the other
+    rule)."""
     from flashattn import _memo, problem
 
-    before = problem.SPLIT_KV_MAX_QUERIES, problem.SPLIT_KV_MIN_KEYS
-    problem.SPLIT_KV_MAX_QUERIES, problem.SPLIT_KV_MIN_KEYS = max_queries, min_keys
+    before = problem.split_kv_wins
+    problem.split_kv_wins = lambda n, m, kv_heads: always
     _memo.clear()
     try:
         yield
     finally:
-        problem.SPLIT_KV_MAX_QUERIES, problem.SPLIT_KV_MIN_KEYS = before
+        problem.split_kv_wins = before
         _memo.clear()
 
 
@@ -63,8 +63,8 @@ def run(device, dtype=torch.bfloat16, head_dim: int = 128) -> dict:
                 ref = naive_attention(q.double(), k.double(), v.double(), causal=True)[0]
                 row = {"B": batch, "Hq": h_q, "Hkv": h_kv, "N": n, "M": m,
                        "split_kv_by_rule": Problem.of(q, k, True).split_kv}
-                for name, bounds in (("split_kv", (1 << 30, 0)), ("dense", (0, 1 << 30))):
-                    with rule(*bounds):
+                for name, always in (("split_kv", True), ("dense", False)):
+                    with rule(always):
                         fn = lambda: flashattn.attention(q, k, v, causal=True)  # noqa: E731
                         row[f"{name}_rel_err"] = rel_err(fn(), ref)
                         row[f"{name}_us"] = 1e3 * float(do_bench(fn, warmup=25, rep=100, return_mode="median"))

@@ -5,9 +5,10 @@ CUDA tensor (or, under ``TRITON_INTERPRET=1``, a CPU tensor) reaches :func:`atte
 """
 
 from flashattn import distributed, reference, schedule
-from flashattn.api import attention, flash_attn_func
+from flashattn.api import attention
+from flashattn.compat import flash_attn_func, flash_attn_varlen_func
 from flashattn.decode import attention_with_kvcache
-from flashattn.varlen import attention_varlen, flash_attn_varlen_func
+from flashattn.varlen import attention_varlen
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "distributed", "flash_attn_func",
            "flash_attn_varlen_func", "reference", "schedule"]

@@ -1,4 +1,4 @@
-"""The public entry points: :func:`attention` and the ``flash_attn``-style :func:`flash_attn_func`.
+"""The public entry point :func:`attention` (the ``flash_attn``-style functions are in :mod:`flashattn.compat`).
 
 Every check of the API contract happens here, before any kernel is launched, so bad input raises a
 ``TypeError`` or ``ValueError`` that names the argument, never a Triton compile error.
@@ -336,65 +336,3 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
         else:
             o, lse = AttentionFunction.run_forward(*args)
     return (o, lse) if return_lse else o
-
-
-def _shapes_as_passed(q, k, v) -> ValueError | None:
-    """For a failed :func:`flash_attn_func` call: the error of the contract's check that prints shapes
-    (k and v alike), in the (B, N, H, D) order the caller passed them (``attention`` saw them
-    transposed), or None when that is not the fault."""
-    if q.device == k.device == v.device and q.dtype == k.dtype == v.dtype and k.shape != v.shape:
-        return ValueError(f"k and v must have the same shape (B, M, Hkv, D), got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    return None
-
-
-def flash_attn_func(
-    q,
-    k,
-    v,
-    dropout_p: float = 0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size=(-1, -1),
-    softcap: float = 0,
-    alibi_slopes=None,
-    deterministic: bool = False,
-    return_attn_probs: bool = False,
-    *,
-    generator=None,
-    seed: int | None = None,
-):
-    """Drop-in for ``flash_attn.flash_attn_func``: tensors are (B, N, H, D) instead of (B, H, N, D).
-
-    The arguments mean what they mean in FlashAttention 2: ``window_size = (left, right)`` with -1
-    (any negative value) for an unbounded side, ``softcap`` 0 for off, ``alibi_slopes`` float32 (H,)
-    or (B, H), ``dropout_p`` drawn with ``generator`` (torch's default CPU generator when None; pass
-    ``dropout_p=0.0`` at evaluation) or from the explicit ``seed`` (what dropout needs under
-    ``torch.compile``). See :func:`attention` for each. The kernels are always
-    deterministic, so ``deterministic`` is accepted and has no effect. With ``return_attn_probs`` the
-    result is ``(out, softmax_lse, None)``, the LSE shaped (B, H, N); flashattn never materializes
-    the probabilities.
-    """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{name} must be a 4-D tensor (B, N, H, D), got {shape}")
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(f"window_size must be a (left, right) pair, -1 for unbounded, got {window_size!r}")
-    for w in window_size:
-        if not is_int(w):
-            raise TypeError(f"window_size must hold ints (-1 for unbounded), got {window_size!r}")
-    window = tuple(None if w < 0 else int(w) for w in window_size)
-    # (B, N, H, D) viewed as (B, H, N, D): a transpose, no copy; the kernels take any strides.
-    try:
-        out, lse = attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=softmax_scale,
-            return_lse=True, window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-            generator=generator, seed=seed,
-        )
-    except ValueError:
-        restated = _shapes_as_passed(q, k, v)
-        if restated is None:
-            raise
-        raise restated from None
-    out = out.transpose(1, 2)
-    return (out, lse, None) if return_attn_probs else out

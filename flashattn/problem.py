@@ -73,8 +73,8 @@ class Problem:
             HAS_WINDOW=self.window is not None, SOFTCAP=self.softcap > 0, ALIBI=self.alibi,
             DROPOUT=self.dropout_p > 0, VARLEN=varlen))
         plain = not (self.window is not None or self.softcap or self.alibi or self.dropout_p)
-        object.__setattr__(self, "_split_kv", self.layout == "dense" and plain and not self.empty
-                           and self.n <= SPLIT_KV_MAX_QUERIES and self.m >= SPLIT_KV_MIN_KEYS and self.scale >= 0)
+        object.__setattr__(self, "_split_kv", self.layout == "dense" and plain and not self.empty and self.scale >= 0
+                           and split_kv_wins(self.n, self.m, self.batch * self.heads_kv))
 
     def __hash__(self) -> int:
         return self._hash
@@ -156,19 +156,35 @@ class Problem:
 
     @property
     def split_kv(self) -> bool:
-        """Whether the forward runs the split-KV decoding kernels rather than the dense one: few queries
-        against many keys (:data:`SPLIT_KV_MAX_QUERIES`, :data:`SPLIT_KV_MIN_KEYS`), no variant but
-        the causal mask. The dense forward gives each (query block, head) one program that walks every
-        key alone, and a query block of one row leaves the tile nearly empty; the split-KV kernels
-        pack a group's query heads into one tile and deal the keys out to several programs."""
+        """Whether the forward runs the split-KV decoding kernels rather than the dense one: a dense
+        call with no variant but the causal mask where :func:`split_kv_wins`. The dense forward gives
+        each (query block, head) one program that walks every key alone, and a query block of a few
+        rows leaves its tile nearly empty; the split-KV kernels pack a group's query heads into one
+        tile and deal the keys out to several programs."""
         return self._split_kv
 
 
 LAYOUTS = ("dense", "packed", "cache")
 
-# The dense forward hands few-query problems to the split-KV kernels from these sizes on.
-SPLIT_KV_MAX_QUERIES = 16
-SPLIT_KV_MIN_KEYS = 512
+# The dense entry point hands a call to the split-KV kernels up to this many queries, from this many
+# keys (:func:`split_kv_wins`; benchmarks.split_kv_rule times both paths around these bounds).
+SPLIT_KV_MAX_QUERIES = 64
+SPLIT_KV_MIN_KEYS = 128
+
+
+def split_kv_wins(n: int, m: int, kv_heads: int) -> bool:
+    """Whether the split-KV kernels beat the dense forward on ``n`` queries against ``m`` keys per
+    head, ``kv_heads`` = B * Hkv: always for a few queries against a long enough cache; for up to 16
+    queries once the keys are long or the grid of packed tiles fills the GPU; for up to 64 queries of
+    few heads against a long cache, where the dense grid leaves most SMs idle. Measured causal, D = 128,
+    on an H100 (docs/kernels/decoding.md#the-dense-entry-point)."""
+    if n > SPLIT_KV_MAX_QUERIES or m < SPLIT_KV_MIN_KEYS:
+        return False
+    if n <= 4:
+        return True
+    if n <= 16:
+        return m >= 4096 or kv_heads >= 128
+    return m >= 4096 and kv_heads <= 32
 
 
 def variant_abi(problem: Problem, alibi_slopes=None, seed: int = 0, dummy=None) -> tuple[dict, tuple]:

@@ -239,6 +239,18 @@ def _kernel_window(n, m, causal, window):
 
 
 # --8<-- [start:online-forward]
+def _key_walk(start_m, block_m, block_n, n, m, causal, win, for_dq=False):
+    """``(lo, full_start, full_end, hi)``: the key blocks one query block walks and the fully visible
+    ones among them, from the schedule's boundary functions (``win``: the window's clipped bounds). The
+    dQ walk is the forward's, except that a ragged last query block masks every tile."""
+    if win is None:
+        walk = schedule.dq_key_range if for_dq else schedule.forward_key_range
+        full_end, hi = walk(start_m, block_m, block_n, n, m, causal)
+        return 0, 0, full_end, hi
+    walk = schedule.window_dq_key_range if for_dq else schedule.window_key_range
+    return walk(start_m, block_m, block_n, n, m, *win)
+
+
 def online_forward(q, k, v, causal: bool = False, scale: float | None = None, block_m: int = 64, block_n: int = 64,
                    *, window=None, softcap: float | None = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
                    seed: int | None = None):
@@ -264,11 +276,7 @@ def online_forward(q, k, v, causal: bool = False, scale: float | None = None, bl
         m_i = torch.full(b_q.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)  # [.., BLOCK_M]
         l_i = torch.zeros_like(m_i)  # [.., BLOCK_M]
         acc = torch.zeros_like(b_q)  # [.., BLOCK_M, D]
-        if win is None:
-            full_end, hi = schedule.forward_key_range(start_m, block_m, block_n, n, m, causal)
-            lo = full_start = 0
-        else:
-            lo, full_start, full_end, hi = schedule.window_key_range(start_m, block_m, block_n, n, m, *win)
+        lo, full_start, full_end, hi = _key_walk(start_m, block_m, block_n, n, m, causal, win)
         for start_n in range(lo, hi, block_n):
             b_k = _load_rows(kf, start_n, block_n)  # [.., BLOCK_N, D]
             b_v = _load_rows(vf, start_n, block_n)  # [.., BLOCK_N, D]
@@ -397,12 +405,7 @@ def online_backward(
         b_lse2 = _load_vec(lse2, start_m, block_m, 0.0)
         b_delta = _load_vec(delta, start_m, block_m, 0.0)
         b_dq = torch.zeros_like(b_q)  # [.., BLOCK_M, D]
-        # The forward's key walk, except that a ragged last query block masks every tile.
-        if win is None:
-            full_end, hi = schedule.dq_key_range(start_m, block_m, block_n, n, m, causal)
-            lo = full_start = 0
-        else:
-            lo, full_start, full_end, hi = schedule.window_dq_key_range(start_m, block_m, block_n, n, m, *win)
+        lo, full_start, full_end, hi = _key_walk(start_m, block_m, block_n, n, m, causal, win, for_dq=True)
         for start_n in range(lo, hi, block_n):
             b_k = _load_rows(kf, start_n, block_n)
             b_v = _load_rows(vf, start_n, block_n)

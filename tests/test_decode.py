@@ -557,3 +557,52 @@ def test_benchmark_table_reports_ratio_bandwidth_and_wrong_results(tmp_path, mon
     assert "| 16 | 8192 | 1 | 50 | 60 | 40 (WRONG) | error | 0.80x | 80% |" in table
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main(["--out", str(tmp_path)]) == 2
+
+
+# -- the dense entry point hands few queries to the split-KV kernels (Problem.split_kv) ----------------
+
+
+@pytest.mark.parametrize("b, h_q, h_kv, n, m, d, causal, layout", [
+    (2, 4, 2, 1, 300, 32, False, "bhnd"),
+    (1, 4, 1, 3, 200, 40, True, "bnhd"),
+    (2, 2, 2, 4, 129, 64, True, "bhnd"),
+    (1, 8, 2, 2, 1, 16, True, "bhnd"),  # M < N: a causal row that sees no key
+])
+def test_dense_entry_point_hands_few_queries_to_split_kv(b, h_q, h_kv, n, m, d, causal, layout, monkeypatch):
+    """``flashattn.attention`` with a few queries against many keys runs the split-KV kernels: its
+    output and LSE meet the float64 reference by the ratio rule (a row that sees no key gets o = 0,
+    LSE -inf), keep q's memory layout, repeat bitwise, and the gradients come from the dense backward
+    with the split-KV forward's o and LSE, as close to float64 as the dense forward's."""
+    from flashattn.problem import Problem
+    from flashattn.reference import naive_attention
+    from flashattn.testing import random_qkv
+
+    if HAS_CUDA:  # the GPU sizes of the same cases: long caches, realistic heads
+        b, h_q, h_kv, n, m, d = b * 2, h_q * 4, h_kv * 4, n, m * 16, d * 2
+    gen = torch.Generator().manual_seed(n * 100 + m)
+    q, k, v = (x.to(DEVICE) for x in random_qkv(b, h_q, h_kv, n, m, d, dtype=torch.float16, layout=layout,
+                                                generator=gen))
+    expected = m >= 128
+    assert Problem.of(q, k, causal).split_kv == expected
+    launched = []
+    real = flashattn.decode_kernels.launch_decode
+    monkeypatch.setattr(flashattn.decode_kernels, "launch_decode", lambda *a, **kw: launched.append(1) or real(*a, **kw))
+    o, lse = flashattn.attention(q, k, v, causal=causal, return_lse=True)
+    assert len(launched) == int(expected)
+    assert o.stride() == torch.empty_like(q).stride()  # q's layout, as the dense kernel keeps it
+    ref = naive_attention(q.double(), k.double(), v.double(), causal=causal)
+    lowp = naive_attention(q.float(), k.float(), v.float(), causal=causal)
+    assert_close_ratio("o", o, ref[0], lowp[0].half())
+    assert_close_ratio("lse", lse, ref[1], lowp[1])
+    o2, lse2 = flashattn.attention(q, k, v, causal=causal, return_lse=True)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+    qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    do = torch.randn(o.shape, generator=gen).to(DEVICE, torch.float16)
+    grads = torch.autograd.grad(flashattn.attention(qg, kg, vg, causal=causal), (qg, kg, vg), do)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref_grads = torch.autograd.grad(naive_attention(q64, k64, v64, causal=causal)[0], (q64, k64, v64), do.double())
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    low_grads = torch.autograd.grad(naive_attention(q32, k32, v32, causal=causal)[0], (q32, k32, v32), do.float())
+    for name, g, r, lp in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
+        assert_close_ratio(name, g, r, lp.half(), factor=3.0)

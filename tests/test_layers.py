@@ -18,7 +18,7 @@ PACKAGE = pathlib.Path(flashattn.__file__).parent
 
 # Top to bottom. A module may import its own layer and the layers below it.
 LAYERS = (
-    ("entry points", {"__init__", "api", "varlen", "decode", "distributed"}),
+    ("entry points", {"__init__", "compat", "api", "varlen", "decode", "distributed"}),
     ("autograd and custom operators", {"autograd", "custom_ops"}),
     ("launchers and kernels", {"forward", "backward", "decode_kernels", "hopper_fwd", "hopper_bwd", "_config",
                                "launch", "tensors"}),
