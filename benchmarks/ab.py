@@ -171,7 +171,7 @@ def worker_main() -> int:
     """Serve one JSON request per stdin line with one JSON reply per stdout line, until ``exit``."""
     import flashattn
 
-    from benchmarks.run import sources_sha256
+    from benchmarks.provenance import sources_sha256
 
     expected = Path(sys.path[0]).resolve()
     package = Path(flashattn.__file__).resolve().parent

@@ -21,7 +21,7 @@ import sys
 import torch
 
 from benchmarks import results as results_mod
-from benchmarks.run import package_sources_sha256
+from benchmarks.provenance import package_sources_sha256
 
 SHAPES = ((32, 16, 257, 64, False), (32, 12, 128, 64, False), (8, 16, 256, 128, True), (1, 16, 1024, 128, True),
           (4, 16, 512, 128, True))  # (B, H, N, D, causal)

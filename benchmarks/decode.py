@@ -50,7 +50,7 @@ import time
 import torch
 
 from benchmarks import results as results_mod
-from benchmarks.run import package_sources_sha256
+from benchmarks.provenance import package_sources_sha256
 
 H_Q, H_KV, D = 32, 8, 128
 DTYPE = torch.bfloat16

@@ -20,7 +20,7 @@ import torch
 
 from benchmarks import results as results_mod
 from benchmarks.decode import _bench, _graph_bench
-from benchmarks.run import package_sources_sha256
+from benchmarks.provenance import package_sources_sha256
 
 KNOBS = ((4, 4), (8, 4), (4, 2), (8, 2), (16, 2), (16, 1))  # (PROGRAMS_PER_SM, MIN_BLOCKS_PER_SPLIT)
 SHAPES = ((1, 4096), (1, 16384), (1, 65536), (1, 131072), (16, 4096), (16, 16384))  # (B, M)

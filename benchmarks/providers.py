@@ -159,9 +159,7 @@ class SDPA(Provider):
         import torch.nn.functional as F
         from torch.nn.attention import sdpa_kernel
 
-        from benchmarks.measure import DTYPES
-
-        dtype = DTYPES[setting.dtype]
+        dtype = getattr(torch, setting.dtype)
         q = torch.randn(1, setting.heads, 128, setting.head_dim, device=device, dtype=dtype)
         kv = torch.randn(1, setting.h_kv, 128, setting.head_dim, device=device, dtype=dtype)
         try:

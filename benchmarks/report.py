@@ -160,7 +160,7 @@ def code_identity(env: dict) -> str:
     the run ran, is the identity; the git commit the run recorded is named only where its own sources
     hash the same (a copied checkout can carry a stale HEAD). Where it does not, the local history is
     searched for the commit that holds those sources."""
-    from benchmarks.run import commit_with_sources, sources_sha256_at
+    from benchmarks.provenance import commit_with_sources, sources_sha256_at
 
     sources, commit = env.get("flashattn_sources_sha256"), env.get("git_commit")
     if not sources:  # schema-1 files: a commit that could be stale, and nothing to check it against

@@ -20,7 +20,7 @@ import sys
 import torch
 
 from benchmarks import results as results_mod
-from benchmarks.run import package_sources_sha256
+from benchmarks.provenance import package_sources_sha256
 
 QUERIES = (1, 4, 16, 32, 64)
 KEYS = (128, 256, 512, 1024, 4096)

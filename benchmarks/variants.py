@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from benchmarks import measure, results as results_mod
-from benchmarks.run import package_sources_sha256
+from benchmarks.provenance import package_sources_sha256
 
 WINDOW = 4096
 SOFTCAP = 50.0

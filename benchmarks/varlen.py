@@ -35,7 +35,7 @@ import sys
 import torch
 
 from benchmarks import results as results_mod
-from benchmarks.run import package_sources_sha256
+from benchmarks.provenance import package_sources_sha256
 
 from flashattn.cost import attention_flops
 

@@ -21,7 +21,7 @@ import torch
 
 from flashattn import schedule
 from flashattn._memo import remember, table
-from flashattn.problem import Problem
+from flashattn.problem import Problem, variant_abi
 
 
 def is_interpreter() -> bool:
@@ -420,7 +420,7 @@ def plan_for(kernel: str, problem: Problem, device: torch.device, cfg: KernelCon
     """The :class:`Plan` of ``kernel`` for ``problem`` with the configuration ``cfg``."""
     n_blocks, heads = _blocks_and_heads(kernel, problem, cfg)
     constexprs = dict(CAUSAL=problem.causal, HEAD_DIM=problem.head_dim, BLOCK_D=problem.block_d,
-                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **problem.variant_constexprs)
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **variant_abi(problem)[0])
     passes = (constexprs,)
     if kernel == "bwd_dq":
         # the preprocess's row statistics computed in the dQ kernel (flashattn.backward.attention_backward

@@ -245,12 +245,13 @@ def _dropout_seed(dropout_p, generator, seed) -> int:
 
 
 # The defaults of dropout_p and softcap here and in flash_attn_func are the int 0, not 0.0: under
-# torch.compile(dynamic=True) dynamo reads a float default as an unspecialized float, and torch 2.11
-# then guards every call on its value by building a tensor from it (tuning log, "A float default
-# guarded by a tensor").
-def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
-              window=None, softcap: float | None = None, alibi_slopes=None, dropout_p: float = 0,
-              generator=None, seed: int | None = None):
+# torch.compile(dynamic=True) a float default becomes a graph input that every call builds a tensor for
+# (docs/kernels/tuning-log.md#a-float-default-guarded-by-a-tensor-issue-11).
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, scale: float | None = None,
+              return_lse: bool = False, window: tuple[int | None, int | None] | None = None,
+              softcap: float | None = None, alibi_slopes: torch.Tensor | None = None, dropout_p: float = 0,
+              generator: torch.Generator | None = None,
+              seed: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention, FlashAttention style: O(N) extra memory, exact result.
 
     Args:

@@ -173,9 +173,11 @@ def _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table):
 # --8<-- [end:decode-append]
 
 
-def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, causal: bool = True,
-                           scale: float | None = None, block_table=None, num_splits: int | None = None,
-                           return_lse: bool = False):
+def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+                           cache_seqlens: torch.Tensor | int, k_new: torch.Tensor | None = None,
+                           v_new: torch.Tensor | None = None, causal: bool = True, scale: float | None = None,
+                           block_table: torch.Tensor | None = None, num_splits: int | None = None,
+                           return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few new queries against a KV cache, appending new keys first. Forward only.
 
     Args:

@@ -1,8 +1,8 @@
 """Context-parallel attention over ``torch.distributed``: ring attention.
 
-The sequence is cut into P shards, one per rank of a process group. Every rank keeps its query shard
+The sequence is cut into R shards, one per rank of a process group. Every rank keeps its query shard
 and passes its key/value shard around the ring (rank r sends to r + 1 and receives from r - 1), so
-after P steps every query shard has met every key/value shard. Each step runs the single-device
+after R steps every query shard has met every key/value shard. Each step runs the single-device
 attention on the pair in hand while the next key/value shard is already on the wire, and the partial
 results are merged through their log-sum-exp, which is exact (the merge derivation,
 ``derivations/merge.py``).
@@ -12,9 +12,9 @@ The backward sends the key/value shards around again. Every partial gradient is 
 full row and the partial gradients simply add: dQ stays home, and each dK/dV accumulator travels with
 its key/value shard and arrives back at its owner after the last step.
 
-Causal attention with contiguous shards leaves rank 0 almost idle and rank P - 1 doing P times its
-work. The zig-zag layout cuts the sequence into 2P chunks and gives rank r the chunks r and
-2P - 1 - r; every rank then does the same work at every step (see :func:`ring_step`).
+Causal attention with contiguous shards leaves rank 0 almost idle and rank R - 1 doing R times its
+work. The zig-zag layout cuts the sequence into 2R chunks and gives rank r the chunks r and
+2R - 1 - r; every rank then does the same work at every step (see :func:`ring_step`).
 
 The attention math itself is the package's single-device forward and backward; this module adds
 only the schedule, the communication and the merge.
@@ -72,8 +72,8 @@ def _chunks(n: int, world_size: int, layout: str, what: str) -> int:
 
 
 def chunk_ids(rank: int, world_size: int, layout: str = "zigzag") -> tuple[int, ...]:
-    """The chunks of the sequence that ``rank`` holds, in order: ``(r,)`` when contiguous (P chunks),
-    ``(r, 2P - 1 - r)`` for the zig-zag layout (2P chunks)."""
+    """The chunks of the sequence that ``rank`` holds, in order: ``(r,)`` when contiguous (R chunks),
+    ``(r, 2R - 1 - r)`` for the zig-zag layout (2R chunks)."""
     _check_layout(layout)
     return (rank, 2 * world_size - 1 - rank) if layout == "zigzag" else (rank,)
 
@@ -93,7 +93,7 @@ def shard_sequence(x: torch.Tensor, rank: int, world_size: int, *, layout: str =
 
 
 def unshard_sequence(shards, *, layout: str = "zigzag", dim: int = -2) -> torch.Tensor:
-    """The inverse of :func:`shard_sequence`: the full sequence from the shards of ranks 0 .. P - 1."""
+    """The inverse of :func:`shard_sequence`: the full sequence from the shards of ranks 0 .. R - 1."""
     _check_layout(layout)
     world_size = len(shards)
     per_shard = len(chunk_ids(0, world_size, layout))
@@ -138,10 +138,10 @@ def ring_step(rank: int, source: int, n: int, causal: bool, layout: str) -> Ring
         return RingStep(everything, everything, True)
     if layout == "contiguous":  # earlier keys are all visible, later ones all masked
         return RingStep(everything, everything, False) if source < rank else None
-    half = n // 2  # zig-zag: chunks (r, 2P-1-r) against (s, 2P-1-s)
-    if source < rank:  # chunk s precedes both query chunks; chunk 2P-1-s follows both
+    half = n // 2  # zig-zag: chunks (r, 2R-1-r) against (s, 2R-1-s)
+    if source < rank:  # chunk s precedes both query chunks; chunk 2R-1-s follows both
         return RingStep(everything, slice(0, half), False)
-    # s > r: both key chunks precede chunk 2P-1-r and follow chunk r
+    # s > r: both key chunks precede chunk 2R-1-r and follow chunk r
     return RingStep(slice(half, n), everything, False)
 # --8<-- [end:ring-step]
 
@@ -300,26 +300,27 @@ def _check_ring_inputs(q, k, v, causal, scale, layout, group) -> None:
         raise ValueError("q, k, v are CUDA tensors but the process group uses gloo; use the NCCL backend")
 
 
-def ring_attention(q, k, v, *, group=None, causal: bool = False, scale: float | None = None,
-                   layout: str = "contiguous", return_lse: bool = False):
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None = None,
+                   causal: bool = False, scale: float | None = None, layout: str = "contiguous",
+                   return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of ``group``; returns this rank's output shard.
 
     Args:
-        q: this rank's query shard (B, Hq, N/P, D).
-        k: this rank's key shard (B, Hkv, N/P, D), ``Hq % Hkv == 0``; with grouped-query attention only
+        q: this rank's query shard (B, Hq, N/R, D).
+        k: this rank's key shard (B, Hkv, N/R, D), ``Hq % Hkv == 0``; with grouped-query attention only
             the smaller K/V travels.
         v: this rank's value shard, shaped like ``k``.
-        group: the process group (default: the world). Its size P is the number of shards.
+        group: the process group (default: the world). Its size R is the number of shards.
         causal: causal masking over the *full* sequence (query i sees key j <= i).
         scale: softmax scale; ``1 / sqrt(D)`` when None.
-        layout: how the caller cut the sequence: ``"contiguous"`` (rank r holds the r-th of P equal
-            chunks) or ``"zigzag"`` (rank r holds chunks r and 2P - 1 - r of 2P; balances causal work).
+        layout: how the caller cut the sequence: ``"contiguous"`` (rank r holds the r-th of R equal
+            chunks) or ``"zigzag"`` (rank r holds chunks r and 2R - 1 - r of 2R; balances causal work).
             :func:`shard_sequence` and :func:`unshard_sequence` cut and reassemble a full sequence.
-        return_lse: also return this shard's global log-sum-exp (B, Hq, N/P), no gradient.
+        return_lse: also return this shard's global log-sum-exp (B, Hq, N/R), no gradient.
 
     Every rank must call it with tensors of the same shape, dtype and layout; that is the caller's
     promise (checking it would cost a collective per call). Shards must have equal length, so N must be
-    divisible by P (contiguous) or 2P (zig-zag). Gradients flow to q, k, v; dK and dV come back to the
+    divisible by R (contiguous) or 2R (zig-zag). Gradients flow to q, k, v; dK and dV come back to the
     rank that owns the shard. They are first order: a second backward (``create_graph=True``) through
     them raises ``RuntimeError``. NCCL with CUDA tensors runs the Triton kernels; gloo with CPU tensors runs
     the PyTorch reference (float16/bfloat16 CPU tensors the kernels under ``TRITON_INTERPRET=1``).

@@ -148,13 +148,6 @@ class Problem:
         return dropout_threshold(self.dropout_p)
 
     @property
-    def variant_constexprs(self) -> dict:
-        """The kernels' compile-time switches of the variants (all False for plain attention, which
-        then compiles to the code it has without any variant); :func:`variant_abi` gives them with
-        the runtime arguments."""
-        return self._constexprs
-
-    @property
     def split_kv(self) -> bool:
         """Whether the forward runs the split-KV decoding kernels rather than the dense one: a dense
         call with no variant but the causal mask where :func:`split_kv_wins`. The dense forward gives
@@ -190,8 +183,8 @@ def split_kv_wins(n: int, m: int, kv_heads: int) -> bool:
 def variant_abi(problem: Problem, alibi_slopes=None, seed: int = 0, dummy=None) -> tuple[dict, tuple]:
     """The variants as the kernels take them: ``(constexprs, args)``.
 
-    ``constexprs`` are the compile-time switches (:attr:`Problem.variant_constexprs`); ``args`` the
-    runtime arguments in the kernels' order: the window's (left, right), the softcap's two factors,
+    ``constexprs`` are the compile-time switches (all False for plain attention, which then compiles
+    to the code it has without any variant); ``args`` the runtime arguments in the kernels' order: the window's (left, right), the softcap's two factors,
     the ALiBi slopes (pointer and batch stride), the dropout seed as two 31-bit halves, its threshold
     and 1 / (1 - p). A variant that is off passes harmless values that its compiled-out code never
     reads (``dummy``, any tensor of the call, stands in for the slopes)."""

@@ -79,9 +79,10 @@ def _check_cu_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             raise ValueError(f"max_seqlen_{side} ({bound}) is smaller than the longest sequence of {name} ({longest})")
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
-                     causal: bool = False, scale: float | None = None, return_lse: bool = False,
-                     validate: bool = True):
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                     scale: float | None = None, return_lse: bool = False,
+                     validate: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed sequences of different lengths, with no padding.
 
     Args:

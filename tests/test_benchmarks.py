@@ -5,13 +5,14 @@ folder): these tests check the harness's code paths, never a performance claim.
 """
 
 import copy
+import pathlib
 import subprocess
 import json
 
 import pytest
 import torch
 
-from benchmarks import grid, measure, providers, report, results, run
+from benchmarks import grid, measure, provenance, providers, report, results, run
 from flashattn import cost as cost_model
 
 
@@ -819,7 +820,7 @@ def test_ab_against_head_on_cpu(monkeypatch, tmp_path):
     assert list(tmp_path.iterdir()) == []  # the exported revision is gone
     assert out["new"]["flashattn_file"] == str(ab.REPO / "flashattn")
     assert out["base"]["flashattn_file"].startswith(str(tmp_path)) and out["base"]["commit"] == ab.resolve("HEAD")
-    assert out["same_sources"] == (run.sources_sha256(ab.REPO / "flashattn") == out["base"]["sources_sha256"])
+    assert out["same_sources"] == (provenance.sources_sha256(ab.REPO / "flashattn") == out["base"]["sources_sha256"])
     (row,) = out["rows"]
     assert set(row["outputs"]) == {"o", "dq", "dk", "dv"}
     if out["same_sources"]:
@@ -989,7 +990,7 @@ def test_ab_export_then_compare_from_the_folder(tmp_path, monkeypatch):
     assert ab.main(["HEAD", "--export", str(dest)]) == 0
     assert (dest / "COMMIT").read_text().strip() == ab.resolve("HEAD")
     if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "flashattn"], cwd=ab.REPO).returncode == 0:
-        assert run.sources_sha256(dest / "flashattn") == run.sources_sha256(ab.REPO / "flashattn")
+        assert provenance.sources_sha256(dest / "flashattn") == provenance.sources_sha256(ab.REPO / "flashattn")
     assert ab.main(["HEAD", "--export", str(dest)]) == 2  # never writes over a folder
     monkeypatch.setattr(ab.tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
@@ -1125,29 +1126,29 @@ def test_sources_at_a_commit_hash_like_the_imported_package(tmp_path):
     later commit with other sources is found by its hash while the first one is not mistaken for it."""
     repo, git = _git_repo_with_package(tmp_path, "a = 1\n")
     first = _head(repo)
-    on_disk = run.sources_sha256(repo / "flashattn")
-    assert run.sources_sha256_at(first, repo) == on_disk
+    on_disk = provenance.sources_sha256(repo / "flashattn")
+    assert provenance.sources_sha256_at(first, repo) == on_disk
     (repo / "flashattn" / "__init__.py").write_text("a = 2\n")
-    changed = run.sources_sha256(repo / "flashattn")
-    assert changed != on_disk and run.sources_sha256_at(first, repo) == on_disk  # the commit keeps its own
+    changed = provenance.sources_sha256(repo / "flashattn")
+    assert changed != on_disk and provenance.sources_sha256_at(first, repo) == on_disk  # the commit keeps its own
     subprocess.run([*git, "commit", "-qam", "two"], cwd=repo, check=True)
     second = _head(repo)
-    assert run.commit_with_sources(changed, repo=repo) == second
-    assert run.commit_with_sources(on_disk, repo=repo) == first
-    assert run.commit_with_sources("0" * 64, repo=repo) is None
-    assert run.sources_sha256_at("no-such-revision", repo) is None
+    assert provenance.commit_with_sources(changed, repo=repo) == second
+    assert provenance.commit_with_sources(on_disk, repo=repo) == first
+    assert provenance.commit_with_sources("0" * 64, repo=repo) is None
+    assert provenance.sources_sha256_at("no-such-revision", repo) is None
 
 
 def test_summary_names_a_commit_only_when_it_holds_the_measured_sources(monkeypatch):
     env = {"flashattn_sources_sha256": "ab" * 32, "git_commit": "c" * 40}
     assert report.code_identity({"git_commit": "c" * 40}) == ""  # schema 1: nothing to check the commit by
     assert f"git commit `{'c' * 12}`" in report.code_identity({**env, "git_commit_is_sources": True})
-    monkeypatch.setattr(run, "commit_with_sources", lambda sha, **kw: "d" * 40)
+    monkeypatch.setattr(provenance, "commit_with_sources", lambda sha, **kw: "d" * 40)
     text = report.code_identity({**env, "git_commit_is_sources": False})
     assert f"commit `{'d' * 12}`" in text and "holds other sources" in text and "git commit `" not in text
-    monkeypatch.setattr(run, "commit_with_sources", lambda sha, **kw: None)
+    monkeypatch.setattr(provenance, "commit_with_sources", lambda sha, **kw: None)
     assert "held by no recent commit" in report.code_identity({**env, "git_commit_is_sources": False})
-    monkeypatch.setattr(run, "sources_sha256_at", lambda commit, repo=None: None)
+    monkeypatch.setattr(provenance, "sources_sha256_at", lambda commit, repo=None: None)
     assert "unchecked" in report.code_identity(env)  # older files: checked against the local history if it can be
 
 
@@ -1299,3 +1300,27 @@ def test_gqa_probe_reads_only_a_missing_kernel_as_no_gqa(monkeypatch):
     monkeypatch.setattr(F, "scaled_dot_product_attention", fails_with(torch.cuda.OutOfMemoryError("CUDA out of memory")))
     with pytest.raises(torch.cuda.OutOfMemoryError):
         sdpa._accepts_gqa(setting, "cpu")
+
+
+def test_the_benchmark_modules_import_without_cycles():
+    """No benchmark module reaches itself through its imports (those inside functions included): the
+    harness reads one way, like the package (measure -> providers, run -> report -> provenance)."""
+    import ast
+
+    folder = pathlib.Path(grid.__file__).parent
+    modules = {path.stem: path for path in folder.glob("*.py")}
+    edges = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "benchmarks":
+                parts = node.module.split(".")
+                found.update(parts[1:2] if len(parts) > 1 else (a.name for a in node.names))
+        edges[name] = found & set(modules) - {name}
+
+    def reaches(start, goal, seen):
+        return any(nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})) for nxt in edges[start])
+
+    cycles = sorted((a, b) for a in edges for b in edges[a] if reaches(b, a, {b}))
+    assert not cycles, f"import cycles through: {cycles}"
+    assert "providers" in edges["measure"] or "provenance" in edges["report"]  # the reader sees lazy imports

@@ -1,8 +1,9 @@
 """The package's import contract: its layers import one way, down.
 
-The design page draws these layers (docs/kernels/design.md, "Layers"); this test reads every import
-of every module of ``flashattn`` (module level and inside functions, and ``importlib`` calls with a
-literal name) and fails on one that points up, or at a module the drawing does not place.
+The layers are :data:`flashattn.layers.LAYERS`, which the design page draws (docs/kernels/design.md,
+"Layers"); this test reads every import of every module of ``flashattn`` (module level and inside
+functions, and ``importlib`` calls with a literal name) and fails on one that points up, or at a
+module the drawing does not place.
 """
 
 from __future__ import annotations
@@ -13,28 +14,16 @@ import pathlib
 import pytest
 
 import flashattn
+from flashattn import layers
 
 PACKAGE = pathlib.Path(flashattn.__file__).parent
 
-# Top to bottom. A module may import its own layer and the layers below it.
-LAYERS = (
-    ("entry points", {"__init__", "compat", "api", "varlen", "decode", "distributed"}),
-    ("autograd and custom operators", {"autograd", "custom_ops"}),
-    ("launchers and kernels", {"forward", "backward", "decode_kernels", "hopper_fwd", "hopper_bwd", "_config",
-                               "launch", "tensors"}),
-    ("device helpers", {"device_helpers"}),
-    ("description and schedule", {"problem", "schedule", "constants", "_memo", "cost"}),
-)
-# Beside the layers: the PyTorch references and the test helpers read the description and the
-# schedule; no launcher, kernel or helper below autograd imports them.
-BESIDE = {"reference": "description and schedule", "testing": "description and schedule"}
+LAYERS = [(name, set(members)) for name, _, members in layers.LAYERS]
+BESIDE = layers.BESIDE
 
 
 def _layer_of(module: str) -> int | None:
-    for depth, (_, members) in enumerate(LAYERS):
-        if module in members:
-            return depth
-    return None
+    return layers.depth(module)
 
 
 def _imports(path: pathlib.Path) -> set[str]:
@@ -81,6 +70,12 @@ def test_imports_point_down(module):
             continue
         assert _layer_of(other) >= depth, (f"{module} ({LAYERS[depth][0]}) imports {other} "
                                            f"({LAYERS[_layer_of(other)][0]}), a layer above it")
+
+
+def test_the_design_page_draws_these_layers():
+    """The design page's drawing is rendered from the same table (the site hook's ``layers`` directive)."""
+    page = (PACKAGE.parent / "docs" / "kernels" / "design.md").read_text(encoding="utf-8")
+    assert "<!-- flashattn:layers -->" in page
 
 
 def test_the_contract_can_fail(tmp_path, monkeypatch):

@@ -304,7 +304,23 @@ def _ring(_arg: str, page=None) -> str:
     return ring.markdown(json.loads(path.read_text(encoding="utf-8")))
 
 
+def _layers(_arg: str, page=None) -> str:
+    """The package's layers (:data:`flashattn.layers.LAYERS`, the table the import contract checks),
+    top to bottom, each importing only its own layer and those below it."""
+    from flashattn import layers
+
+    rows = ["| | layer | modules (`flashattn/`) | what it holds |", "|---|---|---|---|"]
+    for index, (name, what, members) in enumerate(layers.LAYERS):
+        modules = ", ".join(f"`{m}`" for m in members)
+        rows.append(f"| {'↓' if index else ''} | **{name}** | {modules} | {what} |")
+    beside = ", ".join(f"`{m}`" for m in layers.BESIDE)
+    rows += ["", f"Beside the layers: {beside} (they import only the description and schedule; the entry "
+             "points and autograd may import them, no layer below may)."]
+    return "\n".join(rows) + "\n"
+
+
 _HANDLERS = {
+    "layers": _layers,
     "ring": _ring,
     "derivation": _derivation,
     "derivations-table": _derivations_table,
