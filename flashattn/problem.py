@@ -162,22 +162,21 @@ LAYOUTS = ("dense", "packed", "cache")
 # The dense entry point hands a call to the split-KV kernels up to this many queries, from this many
 # keys (:func:`split_kv_wins`; benchmarks.split_kv_rule times both paths around these bounds).
 SPLIT_KV_MAX_QUERIES = 64
-SPLIT_KV_MIN_KEYS = 128
+SPLIT_KV_MIN_KEYS = 512
 
 
 def split_kv_wins(n: int, m: int, kv_heads: int) -> bool:
     """Whether the split-KV kernels beat the dense forward on ``n`` queries against ``m`` keys per
-    head, ``kv_heads`` = B * Hkv: always for a few queries against a long enough cache; for up to 16
-    queries once the keys are long or the grid of packed tiles fills the GPU; for up to 64 queries of
-    few heads against a long cache, where the dense grid leaves most SMs idle. Measured causal, D = 128,
-    on an H100 (docs/kernels/decoding.md#the-dense-entry-point)."""
+    head, ``kv_heads`` = B * Hkv. Against a long cache (4096 keys and more) for up to 16 queries, or up
+    to 64 queries where few K/V heads leave the dense grid mostly idle; against a shorter one only for
+    up to 16 queries on enough K/V heads to fill the GPU with packed tiles. Two sweeps on an H100
+    (causal, D = 128) agreed on these regions; outside them the eager split-KV call was slower or
+    varied from run to run (docs/kernels/decoding.md#the-dense-entry-point)."""
     if n > SPLIT_KV_MAX_QUERIES or m < SPLIT_KV_MIN_KEYS:
         return False
-    if n <= 4:
-        return True
-    if n <= 16:
-        return m >= 4096 or kv_heads >= 128
-    return m >= 4096 and kv_heads <= 32
+    if m >= 4096:
+        return n <= 16 or kv_heads <= 32
+    return n <= 16 and kv_heads >= 128
 
 
 def variant_abi(problem: Problem, alibi_slopes=None, seed: int = 0, dummy=None) -> tuple[dict, tuple]:

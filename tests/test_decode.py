@@ -562,13 +562,15 @@ def test_benchmark_table_reports_ratio_bandwidth_and_wrong_results(tmp_path, mon
 # -- the dense entry point hands few queries to the split-KV kernels (Problem.split_kv) ----------------
 
 
-@pytest.mark.parametrize("b, h_q, h_kv, n, m, d, causal, layout", [
-    (2, 4, 2, 1, 300, 32, False, "bhnd"),
-    (1, 4, 1, 3, 200, 40, True, "bnhd"),
-    (2, 2, 2, 4, 129, 64, True, "bhnd"),
-    (1, 8, 2, 2, 1, 16, True, "bhnd"),  # M < N: a causal row that sees no key
+@pytest.mark.parametrize("b, h_q, h_kv, n, m, d, causal, layout, split_kv", [
+    (1, 4, 2, 1, 4096, 32, False, "bhnd", True),
+    (1, 4, 1, 3, 4100, 40, True, "bnhd", True),
+    (1, 2, 1, 40, 4097, 16, True, "bhnd", True),  # more queries, few K/V heads, a long cache
+    (2, 2, 2, 4, 300, 64, True, "bhnd", False),  # a short cache: the dense forward
+    (1, 8, 2, 2, 1, 16, True, "bhnd", False),  # M < N: a causal row that sees no key
 ])
-def test_dense_entry_point_hands_few_queries_to_split_kv(b, h_q, h_kv, n, m, d, causal, layout, monkeypatch):
+def test_dense_entry_point_hands_few_queries_to_split_kv(b, h_q, h_kv, n, m, d, causal, layout, split_kv,
+                                                        monkeypatch):
     """``flashattn.attention`` with a few queries against many keys runs the split-KV kernels: its
     output and LSE meet the float64 reference by the ratio rule (a row that sees no key gets o = 0,
     LSE -inf), keep q's memory layout, repeat bitwise, and the gradients come from the dense backward
@@ -577,12 +579,12 @@ def test_dense_entry_point_hands_few_queries_to_split_kv(b, h_q, h_kv, n, m, d, 
     from flashattn.reference import naive_attention
     from flashattn.testing import random_qkv
 
-    if HAS_CUDA:  # the GPU sizes of the same cases: long caches, realistic heads
-        b, h_q, h_kv, n, m, d = b * 2, h_q * 4, h_kv * 4, n, m * 16, d * 2
+    if HAS_CUDA:  # the GPU sizes of the same cases: longer caches, wider heads
+        m, d = m * 4, d * 2
     gen = torch.Generator().manual_seed(n * 100 + m)
     q, k, v = (x.to(DEVICE) for x in random_qkv(b, h_q, h_kv, n, m, d, dtype=torch.float16, layout=layout,
                                                 generator=gen))
-    expected = m >= 128
+    expected = split_kv
     assert Problem.of(q, k, causal).split_kv == expected
     launched = []
     real = flashattn.decode_kernels.launch_decode

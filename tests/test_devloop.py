@@ -200,6 +200,32 @@ def test_an_entry_is_used_only_while_every_input_is_unchanged(repo, monkeypatch)
     assert site_cache.cached_call("reads", lambda: data.read_text(), [src]) == ("b", False)
 
 
+def test_an_entry_depends_on_the_reachable_modules_that_ran_not_on_the_others(repo, monkeypatch):
+    """A module the unit can import but never executed (an import inside a function it did not call)
+    is no input: editing it keeps the entry; editing a module it executed does not."""
+    import sys
+
+    _write(repo / "lib_used.py", "X = 1\n")
+    _write(repo / "lib_idle.py", "Y = 2\n")
+    start = _write(repo / "unit_mod.py", "import lib_used\n\ndef later():\n    import lib_idle\n")
+    monkeypatch.setattr(site_cache, "STARTED", time.time() + 1)
+    monkeypatch.syspath_prepend(str(repo))
+    for name in ("unit_mod", "lib_used", "lib_idle"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+    def fn():
+        import unit_mod  # noqa: F401  (executes lib_used, not lib_idle)
+
+        return "drawn"
+
+    assert site_cache.cached_call("unit", fn, [start], roots=(repo,)) == ("drawn", False)
+    assert "lib_idle" not in sys.modules
+    (repo / "lib_idle.py").write_text("Y = 3\n")
+    assert site_cache.cached_call("unit", fn, [start], roots=(repo,)) == ("drawn", True)
+    (repo / "lib_used.py").write_text("X = 5\n")
+    assert site_cache.cached_call("unit", fn, [start], roots=(repo,)) == ("drawn", False)
+
+
 def test_a_result_made_from_a_file_edited_after_the_process_started_is_not_stored(repo):
     src = _write(repo / "m.py", "VALUE = 1\n")
     os.utime(src, (time.time() + 5, time.time() + 5))  # edited after this process imported its code

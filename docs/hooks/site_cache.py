@@ -6,8 +6,8 @@ only if each of those files still has that content:
 
 * in-process work (a derivation module, the figures): the module files it can import from this
   repository (every ``import`` statement of every file reached, followed to the end, including imports
-  inside functions), plus any file under the repository it opened while it ran (cost_model, for one,
-  parses kernel sources);
+  inside functions) that this process has executed by the time it finished, plus any file under the
+  repository it opened while it ran (cost_model, for one, parses kernel sources);
 * a notebook: the notebook itself, plus every module its kernel had loaded when the last cell finished
   and every repository file the kernel opened (the kernel is a fresh process, so that list is exact).
 
@@ -39,6 +39,7 @@ KEEP = 4  # entries kept per unit (a touched-then-reverted file finds its old en
 # Files that are never inputs: the environment, caches, build output.
 _SKIP_TOP = {".venv", ".cache", ".git", "site", "build", "dist"}
 _SKIP_PARTS = {"__pycache__", ".pytest_cache", ".ipynb_checkpoints"}
+_SKIP_SUFFIXES = {".pyc", ".egg-info"}  # bytecode; the editable install's metadata (importlib.metadata reads it)
 # Libraries whose version changes a result (a new SymPy may simplify differently, a new nbconvert
 # renders differently); with Python's version and this build code they salt every entry.
 _LIBRARIES = ("sympy", "mpmath", "numpy", "torch", "triton", "matplotlib", "ipykernel", "nbclient", "nbformat")
@@ -77,7 +78,8 @@ def in_repo(path) -> Path | None:
         rel = p.relative_to(ROOT)
     except (TypeError, ValueError):
         return None
-    if not rel.parts or rel.parts[0] in _SKIP_TOP or _SKIP_PARTS.intersection(rel.parts) or p.suffix == ".pyc":
+    if (not rel.parts or rel.parts[0] in _SKIP_TOP or _SKIP_PARTS.intersection(rel.parts)
+            or any(Path(part).suffix in _SKIP_SUFFIXES for part in rel.parts)):
         return None
     return p
 
@@ -255,11 +257,24 @@ def cached_call(unit: str, fn, start, roots=(ROOT,), keep=lambda payload: True, 
     hit = lookup(unit)
     if hit is not None:
         return hit[1]["payload"], True
-    inputs = import_closure(start, roots, runner)
     payload, opened = OPENED.run(fn)
+    # What the unit can import (static) and this process has executed: a module that was never run
+    # cannot have shaped the result, so an import inside a function the unit never called (autograd's
+    # of the launchers, say) does not tie the figures to the kernels' sources.
+    inputs = {Path(p).resolve() for p in start} | (import_closure(start, roots, runner) & executed_modules())
     if keep(payload):
         store(unit, inputs | opened, payload)
     return payload, False
+
+
+def executed_modules() -> set[Path]:
+    """The repository's module files this process has imported so far (``sys.modules``)."""
+    found = set()
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if path and in_repo(path) is not None:
+            found.add(Path(path).resolve())
+    return found
 
 
 # --------------------------------------------------------------------------------------------------
