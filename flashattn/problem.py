@@ -189,9 +189,9 @@ def variant_abi(problem: Problem, alibi_slopes=None, seed: int = 0, dummy=None) 
     reads (``dummy``, any tensor of the call, stands in for the slopes)."""
     p = problem
     left, right = p.window if p.window is not None else (0, 0)
-    if p.alibi:
+    if p.alibi and alibi_slopes is not None:
         slopes, stride_b = alibi_slopes, (alibi_slopes.shape[-1] if alibi_slopes.dim() == 2 else 0)
-    else:
+    else:  # no ALiBi, or a call for the constexprs alone (a plan), which leaves the tensors out
         slopes, stride_b = dummy, 0
     inv_keep = 1.0 / (1.0 - p.dropout_p)
     return p._constexprs, (left, right, p.softcap_in, p.softcap_out, slopes, stride_b,
