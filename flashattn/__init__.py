@@ -6,10 +6,15 @@ CUDA tensor (or, under ``TRITON_INTERPRET=1``, a CPU tensor) reaches :func:`atte
 
 from flashattn import distributed, reference, schedule
 from flashattn.api import attention
-from flashattn.compat import flash_attn_func, flash_attn_varlen_func
+from flashattn.compat import (
+    flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache,
+)
 from flashattn.decode import attention_with_kvcache
 from flashattn.varlen import attention_varlen
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "distributed", "flash_attn_func",
-           "flash_attn_varlen_func", "reference", "schedule"]
+           "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache",
+           "reference", "schedule"]
 __version__ = "0.1.0"

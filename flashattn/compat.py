@@ -8,7 +8,24 @@ from __future__ import annotations
 import torch
 
 from flashattn.api import attention, is_int
+from flashattn.decode import attention_with_kvcache
 from flashattn.varlen import attention_varlen
+
+
+def _window(window_size) -> tuple[int | None, int | None]:
+    """flash_attn's ``window_size = (left, right)`` as :func:`attention` takes it: each side a Python
+    int or a 0-d integer tensor (as upstream code passes them), any negative value unbounded (None)."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a (left, right) pair, -1 for unbounded, got {window_size!r}")
+    sides = []
+    for w in window_size:
+        if isinstance(w, torch.Tensor) and w.dim() == 0 and not w.is_floating_point() and not w.is_complex() \
+                and w.dtype != torch.bool:
+            w = int(w.item())
+        if not is_int(w):
+            raise TypeError(f"window_size must hold ints or 0-d integer tensors (-1 for unbounded), got {window_size!r}")
+        sides.append(None if w < 0 else int(w))
+    return sides[0], sides[1]
 
 
 def _shapes_as_passed(q, k, v) -> ValueError | None:
@@ -40,12 +57,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{name} must be a 4-D tensor (B, N, H, D), got {shape}")
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(f"window_size must be a (left, right) pair, -1 for unbounded, got {window_size!r}")
-    for w in window_size:
-        if not is_int(w):
-            raise TypeError(f"window_size must hold ints (-1 for unbounded), got {window_size!r}")
-    window = tuple(None if w < 0 else int(w) for w in window_size)
+    window = _window(window_size)
     # (B, N, H, D) viewed as (B, H, N, D): a transpose, no copy; the kernels take any strides.
     try:
         out, lse = attention(
@@ -79,7 +91,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     """
     if dropout_p != 0.0:
         raise NotImplementedError(f"dropout_p must be 0.0: flashattn's varlen path has no dropout yet, got {dropout_p}")
-    if tuple(window_size) != (-1, -1):
+    if _window(window_size) != (None, None):
         raise NotImplementedError(f"window_size must be (-1, -1): no sliding window yet, got {tuple(window_size)}")
     if softcap != 0.0:
         raise NotImplementedError(f"softcap must be 0.0: no softcapping yet, got {softcap}")
@@ -90,3 +102,102 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                 scale=softmax_scale, return_lse=True)
     return (out, lse, None) if return_attn_probs else out
+
+
+# The packed forms: one tensor holds q, k and v (or k and v) along a dim of size 3 (or 2) before the
+# heads, as a fused projection writes them; the slices are views, so gradients reach the packed tensor.
+def _unpack(x: torch.Tensor, name: str, parts: int, dim: int) -> tuple[torch.Tensor, ...]:
+    if not isinstance(x, torch.Tensor) or x.dim() <= dim or x.shape[dim] != parts:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        layout = {(3, 2): "(B, N, 3, H, D)", (2, 2): "(B, M, 2, Hkv, D)", (3, 1): "(total, 3, H, D)",
+                  (2, 1): "(total_k, 2, Hkv, D)"}[(parts, dim)]
+        raise ValueError(f"{name} must be {layout}, got {shape}")
+    return x.unbind(dim)
+
+
+def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0, softmax_scale: float | None = None,
+                              causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0,
+                              alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                              return_attn_probs: bool = False):
+    """Drop-in for ``flash_attn.flash_attn_qkvpacked_func``: ``qkv`` (B, N, 3, H, D), the rest as
+    :func:`flash_attn_func`."""
+    q, k, v = _unpack(qkv, "qkv", 3, 2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0,
+                             softmax_scale: float | None = None, causal: bool = False,
+                             window_size: tuple[int, int] = (-1, -1), softcap: float = 0,
+                             alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                             return_attn_probs: bool = False):
+    """Drop-in for ``flash_attn.flash_attn_kvpacked_func``: q (B, N, Hq, D), ``kv`` (B, M, 2, Hkv, D)."""
+    k, v = _unpack(kv, "kv", 2, 2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                                     dropout_p: float = 0, softmax_scale: float | None = None, causal: bool = False,
+                                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0,
+                                     alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                                     return_attn_probs: bool = False):
+    """Drop-in for ``flash_attn.flash_attn_varlen_qkvpacked_func``: ``qkv`` (total, 3, H, D) with one
+    ``cu_seqlens`` for queries and keys."""
+    q, k, v = _unpack(qkv, "qkv", 3, 1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                                    dropout_p: float = 0, softmax_scale: float | None = None, causal: bool = False,
+                                    window_size: tuple[int, int] = (-1, -1), softcap: float = 0,
+                                    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                                    return_attn_probs: bool = False):
+    """Drop-in for ``flash_attn.flash_attn_varlen_kvpacked_func``: q (total_q, Hq, D), ``kv``
+    (total_k, 2, Hkv, D)."""
+    k, v = _unpack(kv, "kv", 2, 1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                            rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
+                            cache_seqlens: torch.Tensor | int | None = None,
+                            cache_batch_idx: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None,
+                            block_table: torch.Tensor | None = None, softmax_scale: float | None = None,
+                            causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0,
+                            rotary_interleaved: bool = True, alibi_slopes: torch.Tensor | None = None,
+                            num_splits: int = 0, return_softmax_lse: bool = False):
+    """Drop-in for ``flash_attn.flash_attn_with_kvcache``, with its argument names and defaults (note
+    ``causal=False``, where :func:`flashattn.attention_with_kvcache` defaults to True).
+
+    ``k``, ``v`` are appended in place at ``cache_seqlens``; ``cache_seqlens`` None means every
+    sequence holds the whole (contiguous) cache, with nothing to append; ``num_splits`` 0 lets
+    flashattn choose. Options
+    flashattn does not implement yet (rotary embedding, ``cache_batch_idx``, ``cache_leftpad``, a
+    window, ``softcap``, ``alibi_slopes``) raise ``NotImplementedError``. Returns ``out``
+    (B, Nq, Hq, D), or ``(out, softmax_lse)`` with the LSE (B, Hq, Nq).
+    """
+    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
+                        ("cache_leftpad", cache_leftpad), ("alibi_slopes", alibi_slopes)):
+        if value is not None:
+            raise NotImplementedError(f"{name} must be None: flashattn's KV-cache path does not take it yet")
+    if _window(window_size) != (None, None):
+        raise NotImplementedError(f"window_size must be (-1, -1): no sliding window on the KV cache yet, "
+                                  f"got {tuple(window_size)}")
+    if softcap != 0:
+        raise NotImplementedError(f"softcap must be 0: no softcapping on the KV cache yet, got {softcap}")
+    if not is_int(num_splits) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: chosen by flashattn), got {num_splits!r}")
+    if cache_seqlens is None:
+        if block_table is not None or k is not None:
+            raise ValueError("cache_seqlens is needed with a paged cache (block_table) or keys to append (k, v): "
+                             "how many keys each sequence holds")
+        cache_seqlens = k_cache.shape[1]  # every sequence holds the whole cache
+    return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k, v_new=v,
+                                  causal=causal, scale=softmax_scale, block_table=block_table,
+                                  num_splits=num_splits or None, return_lse=return_softmax_lse)
