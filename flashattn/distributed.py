@@ -1,4 +1,4 @@
-"""Context-parallel attention over ``torch.distributed``: ring attention.
+"""Context-parallel attention over ``torch.distributed``: ring attention, and Ulysses.
 
 The sequence is cut into R shards, one per rank of a process group. Every rank keeps its query shard
 and passes its key/value shard around the ring (rank r sends to r + 1 and receives from r - 1), so
@@ -16,6 +16,11 @@ Causal attention with contiguous shards leaves rank 0 almost idle and rank R - 1
 work. The zig-zag layout cuts the sequence into 2R chunks and gives rank r the chunks r and
 2R - 1 - r; every rank then does the same work at every step (see :func:`ring_step`).
 
+Ulysses (:func:`ulysses_attention`) cuts the other way: an all-to-all hands every rank the *whole*
+sequence of R-th of the heads, each rank runs the single-device attention on its heads, and a second
+all-to-all hands the output back as sequence shards of every head. Two collectives per pass instead of
+R - 1 exchanges, at the price of needing at least R heads (K/V heads are repeated when they are fewer).
+
 The attention math itself is the package's single-device forward and backward; this module adds
 only the schedule, the communication and the merge.
 """
@@ -28,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from flashattn.api import _check_inputs, check_flag
+from flashattn.api import _check_inputs, attention, check_flag
 from flashattn.autograd import backend, not_twice, use_kernels
 from flashattn.problem import Problem
 
@@ -282,11 +287,11 @@ class RingAttentionFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------
 # the public entry point
 # --------------------------------------------------------------------------------------------------
-def _check_ring_inputs(q, k, v, causal, scale, layout, group) -> None:
+def _check_ring_inputs(q, k, v, causal, scale, layout, group, what: str = "ring_attention") -> None:
     _check_inputs(q, k, v, causal, scale)  # the single-device contract: types, shapes, dtypes, D, scale
     _check_layout(layout)
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("ring_attention needs torch.distributed: call torch.distributed.init_process_group first")
+        raise RuntimeError(f"{what} needs torch.distributed: call torch.distributed.init_process_group first")
     if q.shape[2] != k.shape[2]:
         raise ValueError(
             f"q and k must hold shards of the same length (self-attention over one sharded sequence), "
@@ -336,5 +341,82 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     return (o, lse) if return_lse else o
 
 
-__all__ = ["LAYOUTS", "RingStep", "chunk_ids", "gather_sequence", "merge_pair", "ring_attention", "ring_step",
-           "shard_sequence", "unshard_sequence"]
+# --------------------------------------------------------------------------------------------------
+# Ulysses: an all-to-all of heads
+# --------------------------------------------------------------------------------------------------
+def kv_head_repeats(heads_q: int, heads_kv: int, world_size: int) -> int:
+    """How many times each K/V head is repeated so that the heads split evenly over ``world_size``
+    ranks: 1 when ``world_size`` divides Hkv, else the least factor f for which it divides Hkv * f and
+    Hkv * f still divides Hq (query head h keeps reading its own K/V head). Raises ``ValueError`` when
+    Hq itself does not split."""
+    if heads_q % world_size:
+        raise ValueError(f"ulysses_attention splits the query heads over the ranks: Hq ({heads_q}) must be "
+                         f"divisible by the group's size ({world_size}); use ring_attention otherwise")
+    f = world_size // math.gcd(heads_kv, world_size)
+    while heads_q % (heads_kv * f):  # f grows by whole multiples; Hkv * f = Hq always works
+        f += world_size // math.gcd(heads_kv, world_size)
+    return f
+
+
+# --8<-- [start:ulysses-exchange]
+def _sequence_to_heads(x: torch.Tensor, world: int, layout: str, group) -> torch.Tensor:
+    """(B, H, n, ...) this rank's sequence shard of every head -> (B, H/R, R n, ...): the whole
+    sequence of this rank's R-th of the heads. Differentiable (the backward is the reverse all-to-all)."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    b, h, n = x.shape[:3]
+    send = x.reshape(b, world, h // world, n, *x.shape[3:]).movedim(1, 0).contiguous()  # [rank to] = its heads
+    recv = all_to_all_single(torch.empty_like(send), send, group=group)  # [rank from] = its shard of my heads
+    return unshard_sequence(list(recv.unbind(0)), layout=layout, dim=2)
+
+
+def _heads_to_sequence(x: torch.Tensor, world: int, layout: str, group) -> torch.Tensor:
+    """The inverse of :func:`_sequence_to_heads`: (B, H/R, N, ...) -> (B, H, N/R, ...)."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    send = torch.stack([shard_sequence(x, r, world, layout=layout, dim=2) for r in range(world)]).contiguous()
+    recv = all_to_all_single(torch.empty_like(send), send, group=group)  # [rank from] = my shard of its heads
+    return recv.movedim(0, 1).flatten(1, 2)
+# --8<-- [end:ulysses-exchange]
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None = None,
+                      causal: bool = False, scale: float | None = None, layout: str = "contiguous",
+                      return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention over a sequence sharded across the ranks of ``group`` by an all-to-all of heads
+    (Ulysses); returns this rank's output shard, like :func:`ring_attention`.
+
+    Args:
+        q: this rank's query shard (B, Hq, N/R, D); Hq must be divisible by R, the group's size.
+        k: this rank's key shard (B, Hkv, N/R, D), ``Hq % Hkv == 0``. When R does not divide Hkv the
+            K/V heads are repeated (:func:`kv_head_repeats`) before the exchange, so each rank gets the
+            K/V heads its query heads read.
+        v: this rank's value shard, shaped like ``k``.
+        group: the process group (default: the world).
+        causal: causal masking over the *full* sequence (query i sees key j <= i).
+        scale: softmax scale; ``1 / sqrt(D)`` when None.
+        layout: how the caller cut the sequence, ``"contiguous"`` or ``"zigzag"`` (:func:`shard_sequence`).
+        return_lse: also return this shard's log-sum-exp (B, Hq, N/R), float32.
+
+    Each rank runs :func:`flashattn.attention` on the whole sequence of its heads (the kernels on CUDA
+    tensors with NCCL; on CPU tensors with gloo, the reference or, under ``TRITON_INTERPRET=1``, the
+    kernels); the all-to-alls are autograd functions of ``torch.distributed.nn``, so gradients flow to
+    q, k, v on their owners. As with :func:`ring_attention`, every rank must call it with tensors of the
+    same shape, dtype and layout, and run the backward.
+    """
+    _check_ring_inputs(q, k, v, causal, scale, layout, group, what="ulysses_attention")
+    check_flag("return_lse", return_lse)
+    world = dist.get_world_size(group)
+    repeats = kv_head_repeats(q.shape[1], k.shape[1], world)
+    if repeats > 1:
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    q_h, k_h, v_h = (_sequence_to_heads(x, world, layout, group) for x in (q, k, v))
+    o_h, lse_h = attention(q_h, k_h, v_h, causal=causal, scale=scale, return_lse=True)
+    o = _heads_to_sequence(o_h, world, layout, group)
+    if not return_lse:
+        return o
+    return o, _heads_to_sequence(lse_h, world, layout, group)
+
+
+__all__ = ["LAYOUTS", "RingStep", "chunk_ids", "gather_sequence", "kv_head_repeats", "merge_pair", "ring_attention",
+           "ring_step", "shard_sequence", "ulysses_attention", "unshard_sequence"]

@@ -45,7 +45,18 @@ CASES = {
     # Shards longer than the reference's 64-row tiles, handed over as (B, N, H, D) storage viewed (B, H, N, D).
     "strided-long": dict(h_q=2, h_kv=1, d=16, chunk=40, causal=True, layout="zigzag", strided=True),
 }
-CHECKS = [*CASES, "no-grad", "gather", "odd-zigzag-shard", "shard-length-mismatch", "subgroup-of-3", "twice"]
+# Ulysses splits the heads over the ranks: every case has a multiple of 4 query heads.
+ULYSSES_CASES = {
+    "ulysses-plain": dict(h_q=4, h_kv=4, d=16, chunk=4, causal=False, layout="contiguous"),
+    "ulysses-causal-zigzag": dict(h_q=4, h_kv=4, d=16, chunk=4, causal=True, layout="zigzag"),
+    # fewer K/V heads than ranks (4 ranks): each K/V head is repeated before the exchange
+    "ulysses-gqa-causal": dict(h_q=8, h_kv=2, d=24, chunk=3, causal=True, layout="contiguous"),
+    "ulysses-mqa-d40": dict(h_q=4, h_kv=1, d=40, chunk=5, causal=False, layout="zigzag"),
+    "ulysses-large-logits": dict(h_q=4, h_kv=2, d=16, chunk=4, causal=True, layout="zigzag", std=6.0, scale=0.9),
+    "ulysses-strided-long": dict(h_q=4, h_kv=4, d=16, chunk=40, causal=True, layout="contiguous", strided=True),
+}
+CHECKS = [*CASES, *ULYSSES_CASES, "no-grad", "gather", "odd-zigzag-shard", "shard-length-mismatch", "subgroup-of-3",
+          "twice", "ulysses-heads-indivisible"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -84,6 +95,25 @@ def _run_attention(case: dict, rank: int, world: int, group=None) -> dict:
     return {name: _max_err(got, want) for name, (got, want) in errors.items()}
 
 
+def _run_ulysses(case: dict, rank: int, world: int) -> dict:
+    """ulysses_attention on this rank's shards vs float64 naive attention on the full sequence."""
+    q, k, v, do = _problem(case, world, "cpu", torch.float64, seed=4321)
+    scale = case.get("scale")
+    full = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    o_ref, lse_ref = naive_attention(*full, case["causal"], scale)
+    o_ref.backward(do)
+    shard = lambda x, dim=-2: fd.shard_sequence(x, rank, world, layout=case["layout"], dim=dim)  # noqa: E731
+    local = [shard(x) for x in (q, k, v)]
+    if case.get("strided"):  # (B, N, H, D) storage viewed as (B, H, N, D)
+        local = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in local]
+    local = [x.detach().requires_grad_() for x in local]
+    o, lse = fd.ulysses_attention(*local, causal=case["causal"], scale=scale, layout=case["layout"], return_lse=True)
+    o.backward(shard(do))
+    errors = {"o": (o, shard(o_ref)), "lse": (lse, shard(lse_ref, dim=-1))}
+    errors.update({name: (x.grad, shard(ref.grad)) for name, x, ref in zip(("dq", "dk", "dv"), local, full)})
+    return {name: _max_err(got, want) for name, (got, want) in errors.items()}
+
+
 def _max_err(got, want) -> float:
     """Largest difference relative to the largest entry of ``want`` (absolute when that is below 1)."""
     if got is None or got.shape != want.shape or not torch.isfinite(got).all():
@@ -94,6 +124,15 @@ def _max_err(got, want) -> float:
 def _check(name: str, rank: int, world: int):
     if name in CASES:
         return _run_attention(CASES[name], rank, world)
+    if name in ULYSSES_CASES:
+        return _run_ulysses(ULYSSES_CASES[name], rank, world)
+    if name == "ulysses-heads-indivisible":  # query heads that do not split over the ranks (6 over 4, 3 over 2)
+        q, k, v = random_qkv(1, 6 if world == 4 else 3, 3 if world == 4 else 1, 4, 4, 16)
+        try:
+            fd.ulysses_attention(q, k, v)
+        except ValueError as exc:
+            return {"message": str(exc)}
+        return {"message": None}
     if name == "no-grad":  # inference: no autograd graph, same output
         case = CASES["causal-zigzag"]
         q, k, v, _ = _problem(case, world, "cpu", torch.float64, seed=7)
@@ -244,6 +283,30 @@ def test_ring_attention_matches_full_attention(world, name):
         assert set(errors) == {"o", "lse", "dq", "dk", "dv"}
         for what, err in errors.items():
             assert err <= 1e-12, f"{name}, rank {rank}: {what} differs by {err:.3e}"
+
+
+@pytest.mark.parametrize("name", list(ULYSSES_CASES))
+def test_ulysses_attention_matches_full_attention(world, name):
+    """Ulysses: output, LSE and all three gradients of every rank's shard equal float64 full attention
+    to rounding, with K/V heads fewer than the ranks (repeated) and both layouts."""
+    for rank, errors in enumerate(_results(world, name)):
+        assert set(errors) == {"o", "lse", "dq", "dk", "dv"}
+        for what, err in errors.items():
+            assert err <= 1e-12, f"{name}, rank {rank}: {what} differs by {err:.3e}"
+
+
+def test_ulysses_refuses_heads_that_do_not_split(world):
+    for result in _results(world, "ulysses-heads-indivisible"):
+        assert result["message"] is not None and "Hq" in result["message"] and "divisible" in result["message"]
+
+
+@pytest.mark.parametrize("heads_q, heads_kv, world_size, repeats", [
+    (8, 8, 4, 1), (8, 2, 4, 2), (8, 1, 4, 4), (12, 3, 4, 4), (6, 2, 3, 3), (16, 4, 8, 2), (32, 8, 4, 1)])
+def test_kv_head_repeats_is_the_least_that_splits(heads_q, heads_kv, world_size, repeats):
+    assert fd.kv_head_repeats(heads_q, heads_kv, world_size) == repeats
+    f = repeats
+    assert (heads_kv * f) % world_size == 0 and heads_q % (heads_kv * f) == 0
+    assert all((heads_kv * g) % world_size or heads_q % (heads_kv * g) for g in range(1, f))  # nothing smaller
 
 
 def test_no_grad_inference(world):
@@ -476,8 +539,9 @@ def _gpu_worker(rank: int, world: int, port: int, names: list, dtypes: list, res
 
 
 def _gpu_check(case: dict, dtype, rank: int, world: int) -> dict:
-    """Relative errors against float64 of the ring (this rank's shard) and of the single-GPU kernel
-    (the same rows of the full sequence), for o, dq, dk, dv."""
+    """Relative errors against float64 of the ring and of Ulysses (this rank's shard) and of the
+    single-GPU kernel (the same rows of the full sequence), for o, dq, dk, dv: ``{"ring/o": (ring's,
+    single GPU's), ..., "ulysses/o": ...}`` (Ulysses where the query heads split over the ranks)."""
     import flashattn
 
     device = torch.device("cuda", rank)
@@ -493,11 +557,15 @@ def _gpu_check(case: dict, dtype, rank: int, world: int) -> dict:
 
     ref = grads(lambda *x: naive_attention(*x, causal)[0], (q, k, v), do)
     single = grads(lambda *x: flashattn.attention(*x, causal=causal), [x.to(dtype) for x in (q, k, v)], do.to(dtype))
-    ring = grads(lambda *x: fd.ring_attention(*x, causal=causal, layout=layout),
-                 [shard(x).to(dtype) for x in (q, k, v)], shard(do).to(dtype))
+    paths = {"ring": fd.ring_attention}
+    if case["h_q"] % world == 0:
+        paths["ulysses"] = fd.ulysses_attention
     out = {}
-    for name, r, s, g in zip(("o", "dq", "dk", "dv"), ring, single, ref):
-        out[name] = (rel_err(r, shard(g)), rel_err(shard(s), shard(g)))
+    for path, fn in paths.items():
+        got = grads(lambda *x: fn(*x, causal=causal, layout=layout), [shard(x).to(dtype) for x in (q, k, v)],
+                    shard(do).to(dtype))
+        for name, r, s, g in zip(("o", "dq", "dk", "dv"), got, single, ref):
+            out[f"{path}/{name}"] = (rel_err(r, shard(g)), rel_err(shard(s), shard(g)))
     return out
 
 
@@ -512,11 +580,12 @@ def test_ring_attention_nccl_matches_single_gpu_kernels(dtype):
         if error is not None:
             problems.append(f"{name} rank {rank}:\n{error}")
             continue
-        for what, (err_ring, err_single) in result.items():
+        for what, (err_cp, err_single) in result.items():
             # The ring merges partials in float32 and sums per-shard dK/dV partials that were each rounded
-            # to the input dtype, so its error may exceed the single-GPU kernel's by a small factor.
-            if not err_ring <= 3.0 * err_single + 1e-4:
-                problems.append(f"{name} rank {rank} {what}: ring {err_ring:.3e} vs single GPU {err_single:.3e}")
+            # to the input dtype, so its error may exceed the single-GPU kernel's by a small factor
+            # (Ulysses runs the single-GPU kernel on whole sequences: its error is that kernel's).
+            if not err_cp <= 3.0 * err_single + 1e-4:
+                problems.append(f"{name} rank {rank} {what}: {err_cp:.3e} vs single GPU {err_single:.3e}")
     assert not problems, "\n".join(problems)
 
 
