@@ -13,15 +13,11 @@ whole call), and checks that both give bitwise the same outputs and gradients. W
 
 from __future__ import annotations
 
-import argparse
-import pathlib
-import platform
 import sys
 
 import torch
 
-from benchmarks import results as results_mod
-from benchmarks.provenance import package_sources_sha256
+from benchmarks import side
 
 SHAPES = ((32, 16, 257, 64, False), (32, 12, 128, 64, False), (8, 16, 256, 128, True), (1, 16, 1024, 128, True),
           (4, 16, 512, 128, True))  # (B, H, N, D, causal)
@@ -52,13 +48,7 @@ def run(device, dtype=torch.bfloat16) -> dict:
         row["bitwise_equal"] = all(torch.equal(a, c) for a, c in zip(*results))
         rows.append(row)
         print(row, flush=True)
-    import triton
-
-    return {"what": f"eager forward and forward + backward, {str(dtype).removeprefix('torch.')}",
-            "device": torch.cuda.get_device_name(device),
-            "versions": {"torch": torch.__version__, "triton": triton.__version__,
-                         "python": platform.python_version(), "flashattn_sources_sha256": package_sources_sha256()},
-            "rows": rows}
+    return side.record(f"eager forward and forward + backward, {str(dtype).removeprefix('torch.')}", device, rows)
 
 
 def markdown(result: dict) -> str:
@@ -75,17 +65,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, type=pathlib.Path)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks.autograd_paths needs a CUDA GPU", file=sys.stderr)
-        return 2
-    result = run(torch.device("cuda"))
-    table = markdown(result)
-    results_mod.save_table(args.out, "autograd_paths", result, table)
-    print(table)
-    return 0
+    return side.main(argv, __doc__, "autograd_paths", run, markdown)
 
 
 if __name__ == "__main__":

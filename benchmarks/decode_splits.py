@@ -11,16 +11,12 @@ cuDNN's SDPA in the same run. Writes ``DIR/decode_splits.json`` and ``DIR/decode
 
 from __future__ import annotations
 
-import argparse
-import pathlib
-import platform
 import sys
 
 import torch
 
-from benchmarks import results as results_mod
+from benchmarks import side
 from benchmarks.decode import _bench, _graph_bench
-from benchmarks.provenance import package_sources_sha256
 
 KNOBS = ((4, 4), (8, 4), (4, 2), (8, 2), (16, 2), (16, 1))  # (PROGRAMS_PER_SM, MIN_BLOCKS_PER_SPLIT)
 SHAPES = ((1, 4096), (1, 16384), (1, 65536), (1, 131072), (16, 4096), (16, 16384))  # (B, M)
@@ -59,13 +55,8 @@ def run(device) -> dict:
                 _memo.clear()
         rows.append(row)
         print(row, flush=True)
-    import triton
-
-    return {"what": "one query per sequence, 32:8 heads, D=128, bfloat16, flashattn.attention (split-KV)",
-            "device": torch.cuda.get_device_name(device),
-            "versions": {"torch": torch.__version__, "triton": triton.__version__,
-                         "python": platform.python_version(), "flashattn_sources_sha256": package_sources_sha256()},
-            "knobs": [f"{a}/{b}" for a, b in KNOBS], "rows": rows}
+    return side.record("one query per sequence, 32:8 heads, D=128, bfloat16, flashattn.attention (split-KV)",
+                       device, rows, knobs=[f"{a}/{b}" for a, b in KNOBS])
 
 
 def markdown(result: dict) -> str:
@@ -82,17 +73,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, type=pathlib.Path)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks.decode_splits needs a CUDA GPU", file=sys.stderr)
-        return 2
-    result = run(torch.device("cuda"))
-    table = markdown(result)
-    results_mod.save_table(args.out, "decode_splits", result, table)
-    print(table)
-    return 0
+    return side.main(argv, __doc__, "decode_splits", run, markdown)
 
 
 if __name__ == "__main__":

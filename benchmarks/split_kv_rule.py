@@ -11,16 +11,12 @@ dense forward kernel), and writes the ratio; each output is checked against floa
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import pathlib
-import platform
 import sys
 
 import torch
 
-from benchmarks import results as results_mod
-from benchmarks.provenance import package_sources_sha256
+from benchmarks import side
 
 QUERIES = (1, 4, 16, 32, 64)
 KEYS = (128, 256, 512, 1024, 4096)
@@ -71,14 +67,8 @@ def run(device, dtype=torch.bfloat16, head_dim: int = 128) -> dict:
                 row["dense_over_split_kv"] = row["dense_us"] / row["split_kv_us"]
                 rows.append(row)
                 print(row, flush=True)
-    import triton
-
-    return {"what": f"eager causal forward, D={head_dim}, {str(dtype).removeprefix('torch.')}: dense kernel "
-                    "against split-KV kernels",
-            "device": torch.cuda.get_device_name(device),
-            "versions": {"torch": torch.__version__, "triton": triton.__version__,
-                         "python": platform.python_version(), "flashattn_sources_sha256": package_sources_sha256()},
-            "rows": rows}
+    return side.record(f"eager causal forward, D={head_dim}, {str(dtype).removeprefix('torch.')}: dense kernel "
+                       "against split-KV kernels", device, rows)
 
 
 def markdown(result: dict) -> str:
@@ -93,17 +83,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, type=pathlib.Path)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks.split_kv_rule needs a CUDA GPU", file=sys.stderr)
-        return 2
-    result = run(torch.device("cuda"))
-    table = markdown(result)
-    results_mod.save_table(args.out, "split_kv_rule", result, table)
-    print(table)
-    return 0
+    return side.main(argv, __doc__, "split_kv_rule", run, markdown)
 
 
 if __name__ == "__main__":
