@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import venv
@@ -89,6 +90,10 @@ def main(argv: list[str]) -> int:
     sys.stderr.flush()
     if os.name == "nt":  # Windows has no exec that keeps the process: wait on a child instead.
         return subprocess.call(cmd)
+    if command == "serve":
+        # A shell starts a background job with SIGINT ignored, and exec keeps that: the server would then
+        # outlive a `kill -INT`. Ctrl-C or SIGINT stops the server wherever it was started from.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.execv(cmd[0], cmd)  # replaces this process: signals sent to it reach mkdocs or pytest
     return 0  # not reached
 
