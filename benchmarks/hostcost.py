@@ -57,9 +57,9 @@ class _NoLaunch:
         stand-in's: descriptors at the kernel's ``*_desc`` parameters, each filled by :meth:`fill`."""
         import triton
 
-        from flashattn import launch as _triton
+        from flashattn import launch as launch_mod
 
-        d = object.__new__(_triton._DirectLaunch)
+        d = object.__new__(launch_mod._DirectLaunch)
         d.c_launch, d.fill, d.function, d.metadata, d.flags = self, self.fill, None, None, (False, False)
         d.plan = tuple((i, 0, 2, 0, [1]) for i, name in enumerate(kernel.arg_names) if name.endswith("_desc"))
         d.hooks = triton.knobs.runtime
@@ -106,11 +106,11 @@ def replayed_and_full(run, first: tuple, later: tuple, inputs: tuple, before_lat
     compiled-kernel cache keys the later call made (``"keys"``: none when it replayed) and the
     recipes kept (``"kept"``). ``before_later`` runs between the two calls (with the capture on);
     ``second_stream`` is :func:`launches_disabled`'s."""
-    from flashattn import launch as _triton
+    from flashattn import launch as launch_mod
 
-    keys, signature = [], _triton._signature
+    keys, signature = [], launch_mod._signature
     out, raw = {}, {}
-    _triton._signature = lambda *a: keys.append(1) or signature(*a)
+    launch_mod._signature = lambda *a: keys.append(1) or signature(*a)
     try:
         for replay in (True, False):
             with launches_disabled(capture=True, replay=replay, second_stream=second_stream) as fake:
@@ -123,9 +123,9 @@ def replayed_and_full(run, first: tuple, later: tuple, inputs: tuple, before_lat
                 raw[replay] = list(fake.captured)
                 if replay:
                     out["keys"] = len(keys)
-                    out["kept"] = [r for r in _triton._RECIPES.values() if r is not None]
+                    out["kept"] = [r for r in launch_mod._RECIPES.values() if r is not None]
     finally:
-        _triton._signature = signature
+        launch_mod._signature = signature
     # A replayed launch passes ints where the full path passes tensors: the full path says where.
     # (Addresses are compared within one call, whose tensors all live until it returns.)
     out[False] = normalized(raw[False], inputs)
@@ -155,7 +155,7 @@ def launches_disabled(capture: bool = False, replay: bool = True, second_stream:
     backward runs dQ on a second one (handle 1), as large problems on a GPU do. Refuses to run
     under TRITON_INTERPRET (the interpreter never takes the compiled-kernel path this replaces)."""
     from flashattn import _config, api, decode, tensors, varlen
-    from flashattn import launch as _triton
+    from flashattn import launch as launch_mod
     from flashattn import backward as bwd_mod, forward as fwd_mod
     from flashattn.autograd import KERNEL_DTYPES
 
@@ -188,17 +188,17 @@ def launches_disabled(capture: bool = False, replay: bool = True, second_stream:
             current.pop()
 
     users = (api, decode, varlen)  # the entry points that ask whether the kernels run
-    saved = dict(compiled=_triton._COMPILED, device=_triton._current_device, use=[m.use_kernels for m in users],
-                 stream=_triton._stream, recipes=_triton._RECIPES, interpreted=_triton._interpreted,
-                 current_stream=_triton._current_stream, stream_context=_triton._stream_context,
-                 second_stream=bwd_mod._second_stream, fast_path=_triton._FAST_PATH)
-    _triton._COMPILED, _triton._RECIPES = Compiled(), ({} if replay else Forgetful())
-    _triton._FAST_PATH = [True]  # the no-op launches stand in for the fast path on any Triton
-    _triton._interpreted = lambda kernel: False  # kernels jitted under the interpreter (the tests') count as compiled
-    _triton._current_device = tensors._current_device = lambda: 0
-    _triton._stream = lambda device: current[-1].cuda_stream
-    _triton._current_stream = lambda device: current[-1]
-    _triton._stream_context = stream_context
+    saved = dict(compiled=launch_mod._COMPILED, device=launch_mod._current_device, use=[m.use_kernels for m in users],
+                 stream=launch_mod._stream, recipes=launch_mod._RECIPES, interpreted=launch_mod._interpreted,
+                 current_stream=launch_mod._current_stream, stream_context=launch_mod._stream_context,
+                 second_stream=bwd_mod._second_stream, fast_path=launch_mod._FAST_PATH)
+    launch_mod._COMPILED, launch_mod._RECIPES = Compiled(), ({} if replay else Forgetful())
+    launch_mod._FAST_PATH = [True]  # the no-op launches stand in for the fast path on any Triton
+    launch_mod._interpreted = lambda kernel: False  # kernels jitted under the interpreter (the tests') count as compiled
+    launch_mod._current_device = tensors._current_device = lambda: 0
+    launch_mod._stream = lambda device: current[-1].cuda_stream
+    launch_mod._current_stream = lambda device: current[-1]
+    launch_mod._stream_context = stream_context
     if second_stream:
         bwd_mod._second_stream = lambda q, problem: side
     for m in users:
@@ -206,13 +206,13 @@ def launches_disabled(capture: bool = False, replay: bool = True, second_stream:
     try:
         yield fake
     finally:
-        _triton._COMPILED, _triton._RECIPES = saved["compiled"], saved["recipes"]
-        _triton._current_device, _triton._stream = saved["device"], saved["stream"]
+        launch_mod._COMPILED, launch_mod._RECIPES = saved["compiled"], saved["recipes"]
+        launch_mod._current_device, launch_mod._stream = saved["device"], saved["stream"]
         tensors._current_device = saved["device"]
-        _triton._current_stream, _triton._stream_context = saved["current_stream"], saved["stream_context"]
+        launch_mod._current_stream, launch_mod._stream_context = saved["current_stream"], saved["stream_context"]
         bwd_mod._second_stream = saved["second_stream"]
-        _triton._interpreted = saved["interpreted"]
-        _triton._FAST_PATH = saved["fast_path"]
+        launch_mod._interpreted = saved["interpreted"]
+        launch_mod._FAST_PATH = saved["fast_path"]
         for m, use in zip(users, saved["use"]):
             m.use_kernels = use
 
