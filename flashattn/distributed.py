@@ -418,5 +418,48 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     return o, _heads_to_sequence(lse_h, world, layout, group)
 
 
-__all__ = ["LAYOUTS", "RingStep", "chunk_ids", "gather_sequence", "kv_head_repeats", "merge_pair", "ring_attention",
-           "ring_step", "shard_sequence", "ulysses_attention", "unshard_sequence"]
+# --------------------------------------------------------------------------------------------------
+# hybrid: Ulysses inside a group of ranks, the ring across the groups
+# --------------------------------------------------------------------------------------------------
+def shard_sequence_2d(x: torch.Tensor, ring_rank: int, ring_size: int, ulysses_rank: int, ulysses_size: int, *,
+                      layout: str = "zigzag", dim: int = -2) -> torch.Tensor:
+    """A rank's shard for :func:`hybrid_attention`: the ring position's shard of ``x`` (``layout`` over
+    ``ring_size`` positions), cut again into ``ulysses_size`` contiguous pieces, of which this rank holds
+    piece ``ulysses_rank``."""
+    ring_shard = shard_sequence(x, ring_rank, ring_size, layout=layout, dim=dim)
+    return shard_sequence(ring_shard, ulysses_rank, ulysses_size, layout="contiguous", dim=dim)
+
+
+def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_group: dist.ProcessGroup,
+                     ring_group: dist.ProcessGroup, causal: bool = False, scale: float | None = None,
+                     layout: str = "zigzag", return_lse: bool = False
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention over a sequence sharded across a grid of ranks: Ulysses inside ``ulysses_group``
+    (its U ranks exchange heads), the ring across ``ring_group`` (its G ranks, one from each Ulysses
+    group, pass key/value shards around). Returns this rank's output shard.
+
+    Each rank holds :func:`shard_sequence_2d`'s shard, (B, H, N / (G U), D): its ring position's shard
+    (``layout``), cut into U contiguous pieces. The all-to-all of heads gives every rank of a Ulysses
+    group the whole ring shard of H / U heads; :func:`ring_attention` runs across the ring group on
+    those; the reverse all-to-all hands the output back. Hq must be divisible by U (K/V heads are
+    repeated as in :func:`ulysses_attention`). Every rank must belong to one Ulysses group and one ring
+    group, with the ring group's ranks ordered by ring position.
+    """
+    _check_ring_inputs(q, k, v, causal, scale, layout, ulysses_group, what="hybrid_attention")
+    check_flag("return_lse", return_lse)
+    width = dist.get_world_size(ulysses_group)
+    repeats = kv_head_repeats(q.shape[1], k.shape[1], width)
+    if repeats > 1:
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    q_h, k_h, v_h = (_sequence_to_heads(x, width, "contiguous", ulysses_group) for x in (q, k, v))
+    o_h, lse_h = ring_attention(q_h, k_h, v_h, group=ring_group, causal=causal, scale=scale, layout=layout,
+                                return_lse=True)
+    o = _heads_to_sequence(o_h, width, "contiguous", ulysses_group)
+    if not return_lse:
+        return o
+    return o, _heads_to_sequence(lse_h, width, "contiguous", ulysses_group)
+
+
+__all__ = ["LAYOUTS", "RingStep", "chunk_ids", "gather_sequence", "hybrid_attention", "kv_head_repeats", "merge_pair",
+           "ring_attention", "ring_step", "shard_sequence", "shard_sequence_2d", "ulysses_attention",
+           "unshard_sequence"]

@@ -55,8 +55,14 @@ ULYSSES_CASES = {
     "ulysses-large-logits": dict(h_q=4, h_kv=2, d=16, chunk=4, causal=True, layout="zigzag", std=6.0, scale=0.9),
     "ulysses-strided-long": dict(h_q=4, h_kv=4, d=16, chunk=40, causal=True, layout="contiguous", strided=True),
 }
-CHECKS = [*CASES, *ULYSSES_CASES, "no-grad", "gather", "odd-zigzag-shard", "shard-length-mismatch", "subgroup-of-3",
-          "twice", "ulysses-heads-indivisible"]
+# Hybrid: Ulysses over groups of `width` ranks, the ring across the groups (width 1: the ring alone).
+HYBRID_CASES = {
+    "hybrid-width2-causal-zigzag": dict(h_q=4, h_kv=2, d=16, chunk=4, causal=True, layout="zigzag", width=2),
+    "hybrid-width2-plain": dict(h_q=4, h_kv=4, d=24, chunk=3, causal=False, layout="contiguous", width=2),
+    "hybrid-width1-causal-zigzag": dict(h_q=2, h_kv=1, d=16, chunk=4, causal=True, layout="zigzag", width=1),
+}
+CHECKS = [*CASES, *ULYSSES_CASES, *HYBRID_CASES, "no-grad", "gather", "odd-zigzag-shard", "shard-length-mismatch",
+          "subgroup-of-3", "twice", "ulysses-heads-indivisible"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -114,6 +120,30 @@ def _run_ulysses(case: dict, rank: int, world: int) -> dict:
     return {name: _max_err(got, want) for name, (got, want) in errors.items()}
 
 
+def _run_hybrid(case: dict, rank: int, world: int) -> dict:
+    """hybrid_attention on a grid of world / width ring positions x width Ulysses ranks vs float64 naive
+    attention on the full sequence. Rank r sits at ring position r // width, Ulysses rank r % width."""
+    width = case["width"]
+    ring_size = world // width
+    # every rank of the world takes part in creating every group
+    ulysses_groups = [dist.new_group([g * width + u for u in range(width)]) for g in range(ring_size)]
+    ring_groups = [dist.new_group([g * width + u for g in range(ring_size)]) for u in range(width)]
+    position, piece = divmod(rank, width)
+    q, k, v, do = _problem(case, world, "cpu", torch.float64, seed=2468)
+    full = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    o_ref, lse_ref = naive_attention(*full, case["causal"])
+    o_ref.backward(do)
+    shard = lambda x, dim=-2: fd.shard_sequence_2d(x, position, ring_size, piece, width,  # noqa: E731
+                                                   layout=case["layout"], dim=dim)
+    local = [shard(x).detach().requires_grad_() for x in (q, k, v)]
+    o, lse = fd.hybrid_attention(*local, ulysses_group=ulysses_groups[position], ring_group=ring_groups[piece],
+                                 causal=case["causal"], layout=case["layout"], return_lse=True)
+    o.backward(shard(do))
+    errors = {"o": (o, shard(o_ref)), "lse": (lse, shard(lse_ref, dim=-1))}
+    errors.update({name: (x.grad, shard(ref.grad)) for name, x, ref in zip(("dq", "dk", "dv"), local, full)})
+    return {name: _max_err(got, want) for name, (got, want) in errors.items()}
+
+
 def _max_err(got, want) -> float:
     """Largest difference relative to the largest entry of ``want`` (absolute when that is below 1)."""
     if got is None or got.shape != want.shape or not torch.isfinite(got).all():
@@ -126,6 +156,8 @@ def _check(name: str, rank: int, world: int):
         return _run_attention(CASES[name], rank, world)
     if name in ULYSSES_CASES:
         return _run_ulysses(ULYSSES_CASES[name], rank, world)
+    if name in HYBRID_CASES:
+        return _run_hybrid(HYBRID_CASES[name], rank, world)
     if name == "ulysses-heads-indivisible":  # query heads that do not split over the ranks (6 over 4, 3 over 2)
         q, k, v = random_qkv(1, 6 if world == 4 else 3, 3 if world == 4 else 1, 4, 4, 16)
         try:
@@ -293,6 +325,25 @@ def test_ulysses_attention_matches_full_attention(world, name):
         assert set(errors) == {"o", "lse", "dq", "dk", "dv"}
         for what, err in errors.items():
             assert err <= 1e-12, f"{name}, rank {rank}: {what} differs by {err:.3e}"
+
+
+@pytest.mark.parametrize("name", list(HYBRID_CASES))
+def test_hybrid_attention_matches_full_attention(world, name):
+    """Ulysses inside groups x the ring across them (2 x 2 on four processes; on two, one group of two
+    or a ring of two): every rank's output, LSE and gradients equal float64 full attention to rounding."""
+    for rank, errors in enumerate(_results(world, name)):
+        assert set(errors) == {"o", "lse", "dq", "dk", "dv"}
+        for what, err in errors.items():
+            assert err <= 1e-12, f"{name}, rank {rank}: {what} differs by {err:.3e}"
+
+
+def test_shard_sequence_2d_cuts_each_ring_shard_into_contiguous_pieces():
+    x = torch.arange(48.0).reshape(1, 1, 48, 1)
+    pieces = [fd.shard_sequence_2d(x, g, 2, u, 3, layout="zigzag") for g in range(2) for u in range(3)]
+    for g in range(2):  # the ring position's zig-zag shard, back from its pieces in order
+        ring_shard = torch.cat(pieces[3 * g: 3 * g + 3], dim=-2)
+        assert torch.equal(ring_shard, fd.shard_sequence(x, g, 2, layout="zigzag"))
+    assert torch.equal(fd.unshard_sequence([torch.cat(pieces[:3], -2), torch.cat(pieces[3:], -2)], layout="zigzag"), x)
 
 
 def test_ulysses_refuses_heads_that_do_not_split(world):
