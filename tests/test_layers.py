@@ -26,6 +26,28 @@ def _layer_of(module: str) -> int | None:
     return layers.depth(module)
 
 
+def _module_name(path: pathlib.Path) -> str:
+    """``flashattn/integrations/transformers.py`` -> ``integrations.transformers``; a package's
+    ``__init__.py`` is the package (the top one is ``__init__``)."""
+    try:
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    except ValueError:  # a file outside the package (the negative control's)
+        return path.stem
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(dotted: str) -> str | None:
+    """The module of the package that ``flashattn.<dotted>`` names (the longest prefix that is one)."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        base = PACKAGE.joinpath(*parts[:end])
+        if base.with_suffix(".py").is_file() or (base / "__init__.py").is_file():
+            return ".".join(parts[:end])
+    return None
+
+
 def _imports(path: pathlib.Path) -> set[str]:
     """The ``flashattn`` modules ``path`` imports, by their name inside the package."""
     found = set()
@@ -41,13 +63,15 @@ def _imports(path: pathlib.Path) -> set[str]:
             continue
         for name in names:
             parts = name.split(".")
-            if parts[0] == "flashattn" and len(parts) > 1 and (PACKAGE / f"{parts[1]}.py").exists():
-                found.add(parts[1])
-    found.discard(path.stem)
+            if parts[0] == "flashattn" and len(parts) > 1:
+                module = _resolve(".".join(parts[1:]))
+                if module is not None:
+                    found.add(module)
+    found.discard(_module_name(path))
     return found
 
 
-MODULES = sorted(p.stem for p in PACKAGE.glob("*.py"))
+MODULES = sorted(_module_name(p) for p in PACKAGE.rglob("*.py"))
 
 
 def test_every_module_has_a_place_in_the_drawing():
@@ -57,7 +81,8 @@ def test_every_module_has_a_place_in_the_drawing():
 
 @pytest.mark.parametrize("module", MODULES)
 def test_imports_point_down(module):
-    imported = _imports(PACKAGE / f"{module}.py")
+    path = PACKAGE.joinpath(*module.split("."))
+    imported = _imports(path.with_suffix(".py") if path.with_suffix(".py").is_file() else path / "__init__.py")
     if module in BESIDE:
         floor = _layer_of(next(iter(LAYERS[-1][1])))
         bad = {m for m in imported if m in BESIDE or _layer_of(m) != floor}

@@ -1,0 +1,1 @@
+"""Plug flashattn's attention into other libraries (:mod:`flashattn.integrations.transformers`)."""
