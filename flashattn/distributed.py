@@ -406,16 +406,22 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     """
     _check_ring_inputs(q, k, v, causal, scale, layout, group, what="ulysses_attention")
     check_flag("return_lse", return_lse)
-    world = dist.get_world_size(group)
-    repeats = kv_head_repeats(q.shape[1], k.shape[1], world)
+    return _over_heads(q, k, v, group, layout, return_lse,
+                       lambda *qkv: attention(*qkv, causal=causal, scale=scale, return_lse=True))
+
+
+def _over_heads(q, k, v, group, layout: str, return_lse: bool, attend):
+    """Ulysses' frame around ``attend(q, k, v) -> (o, lse)``: K/V heads repeated until they split over
+    the group (:func:`kv_head_repeats`), the all-to-all that gives each rank the whole sequence (cut in
+    ``layout``) of its share of the heads, ``attend`` on them, and the all-to-all of o (and of lse when
+    asked for) back."""
+    width = dist.get_world_size(group)
+    repeats = kv_head_repeats(q.shape[1], k.shape[1], width)
     if repeats > 1:
         k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-    q_h, k_h, v_h = (_sequence_to_heads(x, world, layout, group) for x in (q, k, v))
-    o_h, lse_h = attention(q_h, k_h, v_h, causal=causal, scale=scale, return_lse=True)
-    o = _heads_to_sequence(o_h, world, layout, group)
-    if not return_lse:
-        return o
-    return o, _heads_to_sequence(lse_h, world, layout, group)
+    o_h, lse_h = attend(*(_sequence_to_heads(x, width, layout, group) for x in (q, k, v)))
+    o = _heads_to_sequence(o_h, width, layout, group)
+    return (o, _heads_to_sequence(lse_h, width, layout, group)) if return_lse else o
 
 
 # --------------------------------------------------------------------------------------------------
@@ -447,17 +453,10 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulyss
     """
     _check_ring_inputs(q, k, v, causal, scale, layout, ulysses_group, what="hybrid_attention")
     check_flag("return_lse", return_lse)
-    width = dist.get_world_size(ulysses_group)
-    repeats = kv_head_repeats(q.shape[1], k.shape[1], width)
-    if repeats > 1:
-        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-    q_h, k_h, v_h = (_sequence_to_heads(x, width, "contiguous", ulysses_group) for x in (q, k, v))
-    o_h, lse_h = ring_attention(q_h, k_h, v_h, group=ring_group, causal=causal, scale=scale, layout=layout,
-                                return_lse=True)
-    o = _heads_to_sequence(o_h, width, "contiguous", ulysses_group)
-    if not return_lse:
-        return o
-    return o, _heads_to_sequence(lse_h, width, "contiguous", ulysses_group)
+    # inside a group the pieces are contiguous: the gathered sequence is the ring position's shard
+    return _over_heads(q, k, v, ulysses_group, "contiguous", return_lse,
+                       lambda *qkv: ring_attention(*qkv, group=ring_group, causal=causal, scale=scale,
+                                                   layout=layout, return_lse=True))
 
 
 __all__ = ["LAYOUTS", "RingStep", "chunk_ids", "gather_sequence", "hybrid_attention", "kv_head_repeats", "merge_pair",
