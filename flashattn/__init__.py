@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # what static tools (type checkers, the API reference) read; 
     )
     from flashattn.decode import attention_with_kvcache  # noqa: F401
     from flashattn.varlen import attention_varlen  # noqa: F401
+    from flashattn.precompile import warmup  # noqa: F401
 
 # public name -> the module that defines it
 _NAMES = {
@@ -34,6 +35,7 @@ _NAMES = {
     "flash_attn_varlen_kvpacked_func": "compat",
     "flash_attn_varlen_qkvpacked_func": "compat",
     "flash_attn_with_kvcache": "compat",
+    "warmup": "precompile",
 }
 _MODULES = ("distributed", "reference", "schedule")
 

@@ -9,7 +9,8 @@ below autograd imports them.
 # (layer, what it holds, its modules), top to bottom
 LAYERS = (
     ("entry points", "validate the arguments once and build the problem description",
-     ("__init__", "api", "compat", "varlen", "decode", "distributed", "integrations", "integrations.transformers")),
+     ("__init__", "api", "compat", "varlen", "decode", "distributed", "precompile", "integrations",
+      "integrations.transformers")),
     ("autograd and custom operators", "one autograd path per operation; the torch.library operators",
      ("autograd", "custom_ops")),
     ("launchers and kernels", "grids, tiles and launches; the @triton.jit kernels; the one launch layer",
