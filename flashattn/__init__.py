@@ -8,6 +8,7 @@ with torch at import) need.
 """
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING
 
 from flashattn import custom_ops as _custom_ops  # noqa: F401  (registers torch.ops.flashattn.* at import)
@@ -46,8 +47,8 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     if name in _NAMES:
         value = getattr(importlib.import_module(f"flashattn.{_NAMES[name]}"), name)
-    elif name in _MODULES:
-        value = importlib.import_module(f"flashattn.{name}")
+    elif name in _MODULES or (not name.startswith("__") and importlib.util.find_spec(f"flashattn.{name}")):
+        value = importlib.import_module(f"flashattn.{name}")  # any submodule, as after an eager import
     else:
         raise AttributeError(f"module 'flashattn' has no attribute {name!r}")
     globals()[name] = value  # found directly from now on

@@ -156,3 +156,22 @@ def test_comments_cite_no_runs():
         n_links += links
     assert not problems, "\n".join(problems)
     assert n_links > 0, "no comment links to the tuning log: the anchor check checked nothing"
+
+
+def test_the_package_reaches_its_names_and_submodules_lazily():
+    """``import flashattn`` runs only what the custom operators need; every public name and every
+    submodule is reachable as an attribute, as when the package imported them all; anything else is an
+    AttributeError."""
+    import subprocess
+    import sys
+
+    code = ("import sys, flashattn\n"
+            "assert 'flashattn.api' not in sys.modules and 'flashattn.distributed' not in sys.modules\n"
+            "assert flashattn.attention.__module__ == 'flashattn.api'\n"
+            "assert flashattn.decode.attention_with_kvcache is flashattn.attention_with_kvcache\n"
+            "assert flashattn.distributed.ring_attention and flashattn.warmup.__module__ == 'flashattn.precompile'\n"
+            "assert all(hasattr(flashattn, name) for name in flashattn.__all__)\n"
+            "try:\n    flashattn.no_such_name\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit(1)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=PACKAGE.parent)
+    assert proc.returncode == 0, proc.stderr
