@@ -47,7 +47,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     if name in _NAMES:
         value = getattr(importlib.import_module(f"flashattn.{_NAMES[name]}"), name)
-    elif name in _MODULES or (not name.startswith("__") and importlib.util.find_spec(f"flashattn.{name}")):
+    elif not name.startswith("__") and importlib.util.find_spec(f"flashattn.{name}") is not None:
         value = importlib.import_module(f"flashattn.{name}")  # any submodule, as after an eager import
     else:
         raise AttributeError(f"module 'flashattn' has no attribute {name!r}")

@@ -11,7 +11,6 @@ import numbers
 
 import torch
 
-from flashattn import custom_ops  # noqa: F401  (registers torch.ops.flashattn.*, which compiled calls reach)
 from flashattn._memo import remember, table
 from flashattn.autograd import KERNEL_DTYPES, AttentionFunction, attention_apply, use_kernels
 from flashattn.problem import Problem

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from flashattn import _config
-from flashattn.device_helpers import LN2, LOG2E
+from flashattn.device_helpers import LN2
 from flashattn.device_helpers import clamp as _clamp
 from flashattn.device_helpers import decode_split_range as _decode_split_range
 from flashattn.device_helpers import fwd_end_visible_key as _fwd_end_visible_key

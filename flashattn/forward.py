@@ -29,7 +29,7 @@ import triton.language as tl
 
 from flashattn import _config, hopper_fwd
 from flashattn.device_helpers import (
-    LN2, LOG2E, dropout_keep, forward_key_range, packed_tile, program_tile, score_mods, tile_mask, visible,
+    LN2, LOG2E, dropout_keep, forward_key_range, packed_tile, program_tile, score_mods, tile_mask,
     window_key_range,
 )
 from flashattn.launch import launch, recording, replay

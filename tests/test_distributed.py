@@ -101,23 +101,30 @@ def _run_attention(case: dict, rank: int, world: int, group=None) -> dict:
     return {name: _max_err(got, want) for name, (got, want) in errors.items()}
 
 
-def _run_ulysses(case: dict, rank: int, world: int) -> dict:
-    """ulysses_attention on this rank's shards vs float64 naive attention on the full sequence."""
-    q, k, v, do = _problem(case, world, "cpu", torch.float64, seed=4321)
-    scale = case.get("scale")
+def _against_full(case: dict, world: int, seed: int, shard, attend) -> dict:
+    """``attend(q, k, v) -> (o, lse)`` on this rank's shards (cut by ``shard``) against float64 naive
+    attention on the full sequence: max errors of o, lse, dq, dk, dv (the steps of
+    :func:`_run_attention`, the ring's documented example, for the other context-parallel paths)."""
+    q, k, v, do = _problem(case, world, "cpu", torch.float64, seed=seed)
     full = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    o_ref, lse_ref = naive_attention(*full, case["causal"], scale)
+    o_ref, lse_ref = naive_attention(*full, case["causal"], case.get("scale"))
     o_ref.backward(do)
-    shard = lambda x, dim=-2: fd.shard_sequence(x, rank, world, layout=case["layout"], dim=dim)  # noqa: E731
     local = [shard(x) for x in (q, k, v)]
     if case.get("strided"):  # (B, N, H, D) storage viewed as (B, H, N, D)
         local = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in local]
     local = [x.detach().requires_grad_() for x in local]
-    o, lse = fd.ulysses_attention(*local, causal=case["causal"], scale=scale, layout=case["layout"], return_lse=True)
+    o, lse = attend(*local)
     o.backward(shard(do))
     errors = {"o": (o, shard(o_ref)), "lse": (lse, shard(lse_ref, dim=-1))}
     errors.update({name: (x.grad, shard(ref.grad)) for name, x, ref in zip(("dq", "dk", "dv"), local, full)})
     return {name: _max_err(got, want) for name, (got, want) in errors.items()}
+
+
+def _run_ulysses(case: dict, rank: int, world: int) -> dict:
+    """ulysses_attention on this rank's shards vs float64 naive attention on the full sequence."""
+    shard = lambda x, dim=-2: fd.shard_sequence(x, rank, world, layout=case["layout"], dim=dim)  # noqa: E731
+    return _against_full(case, world, 4321, shard, lambda q, k, v: fd.ulysses_attention(
+        q, k, v, causal=case["causal"], scale=case.get("scale"), layout=case["layout"], return_lse=True))
 
 
 def _run_hybrid(case: dict, rank: int, world: int) -> dict:
@@ -129,19 +136,11 @@ def _run_hybrid(case: dict, rank: int, world: int) -> dict:
     ulysses_groups = [dist.new_group([g * width + u for u in range(width)]) for g in range(ring_size)]
     ring_groups = [dist.new_group([g * width + u for g in range(ring_size)]) for u in range(width)]
     position, piece = divmod(rank, width)
-    q, k, v, do = _problem(case, world, "cpu", torch.float64, seed=2468)
-    full = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    o_ref, lse_ref = naive_attention(*full, case["causal"])
-    o_ref.backward(do)
     shard = lambda x, dim=-2: fd.shard_sequence_2d(x, position, ring_size, piece, width,  # noqa: E731
                                                    layout=case["layout"], dim=dim)
-    local = [shard(x).detach().requires_grad_() for x in (q, k, v)]
-    o, lse = fd.hybrid_attention(*local, ulysses_group=ulysses_groups[position], ring_group=ring_groups[piece],
-                                 causal=case["causal"], layout=case["layout"], return_lse=True)
-    o.backward(shard(do))
-    errors = {"o": (o, shard(o_ref)), "lse": (lse, shard(lse_ref, dim=-1))}
-    errors.update({name: (x.grad, shard(ref.grad)) for name, x, ref in zip(("dq", "dk", "dv"), local, full)})
-    return {name: _max_err(got, want) for name, (got, want) in errors.items()}
+    return _against_full(case, world, 2468, shard, lambda q, k, v: fd.hybrid_attention(
+        q, k, v, ulysses_group=ulysses_groups[position], ring_group=ring_groups[piece], causal=case["causal"],
+        layout=case["layout"], return_lse=True))
 
 
 def _max_err(got, want) -> float:
