@@ -67,7 +67,13 @@ def plots(pngs: list[Path]) -> str:
     return "\n".join(out)
 
 
-def render(results: Path) -> str:
+def render(results: Path, part: str = "") -> str:
+    """The page's part named by the directive's argument: the main results (none), ``short`` or ``first-call``."""
+    if part:
+        parts = {"short": short, "first-call": first_call}
+        if part not in parts:
+            raise ValueError(f"unknown benchmarks part {part!r} (known: {', '.join(parts)})")
+        return parts[part](results / "short")
     summary = results / "summary.md"
     pngs = sorted(results.glob("*.png")) if results.is_dir() else []
     jsons = sorted(results.glob("*.json")) if results.is_dir() else []
@@ -96,3 +102,39 @@ def render(results: Path) -> str:
         out.append("The JSON files the plots and tables come from, in `benchmarks/results/`: "
                    + ", ".join(f"`{js.name}`" for js in jsons) + ".\n")
     return "\n".join(out)
+
+
+def _json(path: Path) -> dict | None:
+    import json
+
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def short(folder: Path) -> str:
+    """The short training shapes (``benchmarks.short``): the figure ``figures.py`` draws from the same file,
+    then the table, or a plain note when no run is committed."""
+    result = _json(folder / "short.json")
+    if result is None:
+        return ('!!! info "No run committed yet"\n\n'
+                "    `benchmarks/results/short/short.json` is not there: no run of `benchmarks.short` has been\n"
+                "    committed, so there is no table or plot yet. This section shows them once it is.\n")
+    from benchmarks import short as short_mod
+
+    skipped = sum(r["status"] == "skipped" for r in result["rows"])
+    out = ["![flashattn and FlexAttention over the fastest SDPA backend at each short training shape]"
+           "(figures/short-training.svg)\n", short_mod.markdown(result)]
+    if skipped:
+        out.append(f"{skipped} measurement(s) were skipped when the run's time budget ran out.\n")
+    return "\n".join(out)
+
+
+def first_call(folder: Path) -> str:
+    """The first-call times (``benchmarks.first_call``), or a plain note when no run is committed."""
+    result = _json(folder / "first_call.json")
+    if result is None:
+        return ('!!! info "No run committed yet"\n\n'
+                "    `benchmarks/results/short/first_call.json` is not there: no run of `benchmarks.first_call`\n"
+                "    has been committed yet.\n")
+    from benchmarks import first_call as first_call_mod
+
+    return first_call_mod.markdown(result)

@@ -8,6 +8,8 @@ pictures. ``python docs/hooks/figures.py OUTDIR`` writes them as SVG files for a
 from __future__ import annotations
 
 import io
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -571,6 +573,62 @@ def persistent_walk() -> str:
     return _svg(fig)
 
 
+# Where the committed short-shapes run lives (FLASHATTN_BENCH_RESULTS moves it, as for the Benchmarks page).
+SHORT_JSON = Path(os.environ.get("FLASHATTN_BENCH_RESULTS", ROOT / "benchmarks" / "results")) / "short" / "short.json"
+
+
+def short_training(result: dict) -> str:
+    """Speed over the fastest SDPA backend at each short training shape (a ``benchmarks.short`` run):
+    flashattn and FlexAttention, forward and forward + backward, one row per shape."""
+    from benchmarks import short
+
+    rows = short.ratios(result["rows"])
+    shapes = list(dict.fromkeys((short.shape_label(r), r["causal"]) for r in rows))
+    issue = {(short.shape_label({"batch": b, "heads": h, "seqlen": n, "head_dim": d, "dtype": dt}), c)
+             for b, h, n, d, dt, c in short.ISSUE_SHAPES}
+    fig, axes = plt.subplots(1, 2, figsize=(8, 1.8 + 0.26 * len(shapes)), sharey=True)
+    y = {shape: i for i, shape in enumerate(shapes)}
+    series = (("flashattn_us", "#1f77b4", "o", "flashattn"), ("flex_us", "#d62728", "^", "FlexAttention"))
+    xs = [1.0]
+    for ax, p in zip(axes, short.PASSES):
+        mine = [r for r in rows if r["pass"] == p and r["best_sdpa_us"]]
+        for key, color, marker, label in series:
+            pts = [(r["best_sdpa_us"] / r[key], y[short.shape_label(r), r["causal"]]) for r in mine if r[key]]
+            xs += [x for x, _ in pts]
+            ax.scatter([x for x, _ in pts], [v for _, v in pts], color=color, marker=marker, s=28, label=label,
+                       zorder=3)
+        ax.axvline(1.0, color="black", lw=1, ls="--")
+        ax.set_title(short.PASS_LABELS[p], fontsize=10)
+        ax.tick_params(labelsize=9)
+    ticks = [2.0 ** k for k in range(-8, 9) if min(xs) / 1.6 <= 2.0 ** k <= max(xs) * 1.6]
+    ticks = ticks if len(ticks) <= 5 else [t for t in ticks if round(math.log2(t)) % 2 == 0]
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlim(min(xs) / 1.3, max(xs) * 1.3)
+        ax.set_xticks(ticks, [f"{t:g}×" if t >= 0.25 else f"1/{1 / t:g}×" for t in ticks])
+        ax.minorticks_off()
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(shapes)))
+    axes[0].set_yticklabels([f"{label}{' causal' if causal else ''}" for label, causal in shapes])
+    for tick, shape in zip(axes[0].get_yticklabels(), shapes):
+        tick.set_fontweight("bold" if shape in issue else "normal")
+    axes[0].set_ylim(len(shapes) - 0.5, -0.5)
+    fig.supxlabel("speed over the fastest SDPA backend at the shape (right of the dashed line: faster)",
+                  fontsize=10, y=0.04)
+    fig.suptitle(f"Short training shapes, eager calls, {result['device']}\n"
+                 "(bold: the four shapes of issue 45)", fontsize=10)
+    handles = [plt.Line2D([], [], color=c, marker=m, ls="", label=lab) for _, c, m, lab in series]
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=9, frameon=False)
+    return _svg(fig)
+
+
+def short_training_committed() -> str:
+    import json
+
+    return short_training(json.loads(SHORT_JSON.read_text(encoding="utf-8")))
+
+
 FIGURES = {
     "packing": packing,
     "dataflow": dataflow,
@@ -583,6 +641,8 @@ FIGURES = {
     "warpgroup-timeline": warpgroup_timeline,
     "persistent-walk": persistent_walk,
 }
+if SHORT_JSON.is_file():  # drawn from the committed run, once there is one
+    FIGURES["short-training"] = short_training_committed
 
 
 def render_all():

@@ -9,7 +9,7 @@
                                          are derived from it, so no list of Math pages is kept here)
   ``<!-- flashattn:derivations-table -->`` every check, in the order of ``derivations.MODULES``
   ``<!-- flashattn:errata -->``          the entries of ``derivations/errata.py``
-  ``<!-- flashattn:benchmarks -->``      results from ``benchmarks/results/`` or a placeholder
+  ``<!-- flashattn:benchmarks [part] -->`` results from ``benchmarks/results/`` or a placeholder
   ``<!-- flashattn:ring -->``            the two-GPU ring run in ``benchmarks/results/ring_2gpu.json``
 
 * drops the dead MathJax 2 loader that nbconvert writes into notebook pages.
@@ -285,11 +285,12 @@ def _md_inline(text) -> str:
     return str(text).replace("\n", " ")
 
 
-def _benchmarks(_arg: str, page=None) -> str:
-    """Plots and the summary table first, the rest of ``summary.md`` collapsed (``benchmarks_page.py``)."""
+def _benchmarks(arg: str, page=None) -> str:
+    """Plots and the summary table first, the rest of ``summary.md`` collapsed; with an argument (``short``,
+    ``first-call``) that part of the page instead (``benchmarks_page.py``)."""
     import benchmarks_page
 
-    return importlib.reload(benchmarks_page).render(RESULTS)  # `mkdocs serve` keeps the process
+    return importlib.reload(benchmarks_page).render(RESULTS, arg)  # `mkdocs serve` keeps the process
 
 
 def _ring(_arg: str, page=None) -> str:
