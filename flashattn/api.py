@@ -114,9 +114,10 @@ def autocast_inputs(q, k, v):
 MAX_SEED = 2**62  # the kernels take the dropout seed as two 31-bit halves
 
 
-def _check_variants(q, window, softcap, alibi_slopes, dropout_p):
-    """Validate the variants' arguments but the dropout seed's source (:func:`_check_dropout_source`);
-    returns the window as a tuple (or None) and softcap as a float."""
+def check_variants(q, batch: int, heads_q: int, window, softcap, alibi_slopes, dropout_p):
+    """Validate the variants' arguments but the dropout seed's source (:func:`check_dropout_source`),
+    for ``batch`` batch entries or packed sequences of ``heads_q`` query heads; returns the window as a
+    tuple (or None) and softcap as a float."""
     if window is not None:
         if not isinstance(window, (tuple, list)) or len(window) != 2:
             raise TypeError(f"window must be a (left, right) pair of ints or None, got {window!r}")
@@ -139,7 +140,7 @@ def _check_variants(q, window, softcap, alibi_slopes, dropout_p):
             raise TypeError(f"alibi_slopes must be a torch.Tensor, got {type(alibi_slopes).__name__}")
         if alibi_slopes.dtype != torch.float32:
             raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
-        b, h_q = q.shape[0], q.shape[1]
+        b, h_q = batch, heads_q
         if tuple(alibi_slopes.shape) not in ((h_q,), (b, h_q)):
             raise ValueError(f"alibi_slopes must have shape (Hq,) = ({h_q},) or (B, Hq) = ({b}, {h_q}), "
                              f"got {tuple(alibi_slopes.shape)}")
@@ -152,7 +153,7 @@ def _check_variants(q, window, softcap, alibi_slopes, dropout_p):
     return window, softcap
 
 
-def _check_dropout_source(generator, seed) -> None:
+def check_dropout_source(generator, seed) -> None:
     """The dropout seed's source, which changes from call to call: a generator, a seed, or neither."""
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
@@ -170,7 +171,7 @@ def _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slope
     as a tuple (or None) and softcap as a float."""
     _check_inputs(q, k, v, causal, scale, allow_empty=True)
     check_flag("return_lse", return_lse)
-    return _check_variants(q, window, softcap, alibi_slopes, dropout_p)
+    return check_variants(q, q.shape[0], q.shape[1], window, softcap, alibi_slopes, dropout_p)
 
 
 _DESCRIBED = table("api.described")  # the signature of a call that passed the checks -> its Problem
@@ -229,7 +230,7 @@ _CHECKPOINTED_GENERATOR = (
     "generator=None (torch's default generator, which checkpoint restores)")
 
 
-def _dropout_seed(dropout_p, generator, seed) -> int:
+def dropout_seed(dropout_p, generator, seed) -> int:
     """The seed of this call's dropout mask: ``seed`` itself, or one draw from ``generator`` (torch's
     default CPU generator when None, so ``torch.manual_seed`` makes a run repeatable). A draw from a
     generator checkpoint does not restore is refused inside a backward (a recomputed forward)."""
@@ -308,7 +309,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if torch.compiler.is_compiling():
         # traced once per graph: the full checks, with no cache keyed by (symbolic) shapes
         window, softcap = _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p)
-        _check_dropout_source(generator, seed)
+        check_dropout_source(generator, seed)
         if dropout_p > 0 and seed is None:
             raise ValueError("under torch.compile, dropout needs an explicit seed= (a generator cannot be traced)")
         if alibi_slopes is not None:
@@ -327,10 +328,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         # torch.no_grad), call the forward backend itself: autograd.Function.apply costs a short
         # call microseconds even when it records nothing.
         problem = _described(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p)
-        _check_dropout_source(generator, seed)
+        check_dropout_source(generator, seed)
         if alibi_slopes is not None:
             alibi_slopes = alibi_slopes.detach().contiguous()
-        args = (q, k, v, problem, use_kernels(q), alibi_slopes, _dropout_seed(problem.dropout_p, generator, seed))
+        args = (q, k, v, problem, use_kernels(q), alibi_slopes, dropout_seed(problem.dropout_p, generator, seed))
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             o, lse = attention_apply(*args)
         else:

@@ -48,7 +48,7 @@ def _empty_backward(q, k, v):
 @torch.autocast("cpu", enabled=False)
 def _reference_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, packing=None):
     if problem.varlen:
-        return _varlen_reference_forward(q, k, v, problem, packing)
+        return _varlen_reference_forward(q, k, v, problem, packing, alibi_slopes, seed)
     if problem.heads_kv == 0:  # no head at all: the reference's head groups need one
         return _empty_forward(q, problem)
     o, lse = reference.online_forward(q, k, v, problem.causal, problem.scale, **_variants(problem, alibi_slopes, seed))
@@ -59,7 +59,7 @@ def _reference_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int =
 def _reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
                         packing=None):
     if problem.varlen:
-        return _varlen_reference_backward(do, q, k, v, o, lse, problem, dlse, packing)
+        return _varlen_reference_backward(do, q, k, v, o, lse, problem, dlse, packing, alibi_slopes, seed)
     if problem.heads_kv == 0:
         return _empty_backward(q, k, v)
     dq, dk, dv = reference.online_backward(do, q, k, v, o, lse, problem.causal, problem.scale, dlse=dlse,
@@ -111,14 +111,16 @@ def _kernel_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slo
         return backward.launch_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed, packing)
 
 
-def _varlen_reference_forward(q, k, v, problem: Problem, packing):
+def _varlen_reference_forward(q, k, v, problem: Problem, packing, alibi_slopes=None, seed: int = 0):
     # 16-bit CPU inputs run in float32 and round back, as the tile-by-tile reference does
     wide = q.dtype if q.dtype == torch.float64 else torch.float32
-    o, lse = reference.varlen_attention(q.to(wide), k.to(wide), v.to(wide), *packing, problem.causal, problem.scale)
+    o, lse = reference.varlen_attention(q.to(wide), k.to(wide), v.to(wide), *packing, problem.causal, problem.scale,
+                                        **_variants(problem, alibi_slopes, seed))
     return in_layout(o.to(q.dtype), q), lse
 
 
-def _varlen_reference_backward(do, q, k, v, o, lse, problem: Problem, dlse, packing):
+def _varlen_reference_backward(do, q, k, v, o, lse, problem: Problem, dlse, packing, alibi_slopes=None,
+                               seed: int = 0):
     """The tile-by-tile reference backward (:func:`flashattn.reference.online_backward`), one sequence at a
     time. Not autograd: inside a custom operator autograd does not record."""
     dq, dk, dv = dense_like(q).zero_(), dense_like(k).zero_(), dense_like(v).zero_()
@@ -130,7 +132,8 @@ def _varlen_reference_backward(do, q, k, v, o, lse, problem: Problem, dlse, pack
             continue  # no query, or no key: every gradient of the sequence is zero
         grads = reference.online_backward(
             heads(do[rows]), heads(q[rows]), heads(k[keys]), heads(v[keys]), heads(o[rows]), lse[None, :, rows],
-            problem.causal, problem.scale, dlse=None if dlse is None else dlse[None, :, rows])
+            problem.causal, problem.scale, dlse=None if dlse is None else dlse[None, :, rows],
+            **reference.sequence_variants(i, **_variants(problem, alibi_slopes, seed)))
         for out, g, span in zip((dq, dk, dv), grads, (rows, keys, keys)):
             out[span] = g[0].transpose(0, 1)
     return dq, dk, dv

@@ -204,11 +204,12 @@ def _bwd_dkdv_kernel(
     start_n = i_n * BLOCK_N
     k_row = start_n  # the tile's first row in k, v, dk and dv
     lse_rows = N_CTX_Q  # rows per head of lse2 and delta
+    i_seq = i_b  # whose ALiBi slopes and dropout draws: the batch entry, or the packed sequence
     # --8<-- [start:bwd-dkdv-varlen-prologue]
     if VARLEN:
         # Packed sequences: i_n is a tile of this head's packed key rows (the forward's mapping with
         # the sides swapped); N_CTX_Q and N_CTX_K become the sequence's lengths, start_n local to it.
-        start_n, k_start, q_start, N_CTX_K, N_CTX_Q = packed_tile(
+        i_seq, start_n, k_start, q_start, N_CTX_K, N_CTX_Q = packed_tile(
             i_n, BLOCK_N, TILE_OFFSETS, CU_SEQLENS_K, CU_SEQLENS_Q, N_SEQS)
         if start_n >= N_CTX_K:
             return  # a spare program: every tile is taken
@@ -266,10 +267,10 @@ def _bwd_dkdv_kernel(
         row0 = (i_b.to(tl.int64) * H_Q + i_hq) * lse_rows  # lse2 and delta: fresh contiguous (B, Hq, N) or (Hq, total_q)
         p_lse2 = LSE2 + row0 + offs_m
         p_delta = DELTA + row0 + offs_m
-        i_bhq = i_b * H_Q + i_hq  # the dropout mask's head counter
+        i_bhq = i_seq * H_Q + i_hq  # the dropout mask's head counter (the forward's i_drop)
         slope2 = 0.0
         if ALIBI:
-            slope2 = tl.load(SLOPES + i_b * stride_slope_b + i_hq) * LOG2E
+            slope2 = tl.load(SLOPES + i_seq * stride_slope_b + i_hq) * LOG2E
         b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
                                      offs_m, offs_n, start_n, lo, hi if ONE_LOOP else full_start, N_CTX_Q, N_CTX_K,
                                      qk_scale, win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bhq,
@@ -310,12 +311,13 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_inner(
     b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv,  #
-    offs_m, offs_n, lo, hi, N_CTX_Q, N_CTX_K, qk_scale,  #
+    offs_m, offs_n, key0, lo, hi, N_CTX_Q, N_CTX_K, qk_scale,  #
     win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh, drop_threshold, inv_keep,  #
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,  #
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
 ):
-    """Add the contributions of the key blocks starting in [lo, hi) to this query block's dQ."""
+    """Add the contributions of the key blocks starting in [lo, hi) to this query block's dQ
+    (``key0`` and ``i_bh`` as in the forward's loop: the sequence's first row of k, the mask's counter)."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n  # [BLOCK_N]
         b_k = k_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
@@ -331,7 +333,7 @@ def _bwd_dq_inner(
             p = tl.where(tile_mask(offs_m[:, None], cols[None, :], N_CTX_Q, N_CTX_K, win_left, win_right,
                                    CAUSAL, HAS_WINDOW), p, 0.0)
         if DROPOUT:
-            keep = dropout_keep(seed_lo, seed_hi, i_bh, offs_m, start_n, drop_threshold, BLOCK_N)
+            keep = dropout_keep(seed_lo, seed_hi, i_bh, offs_m, start_n - key0, drop_threshold, BLOCK_N)
             ds = p * (tl.where(keep, dp * inv_keep, 0.0) - b_delta[:, None])  # dS = P * (Z dP / (1 - p) - delta)
         else:
             ds = p * (dp - b_delta[:, None])  # dS = P * (dP - delta)
@@ -367,10 +369,12 @@ def _bwd_dq_kernel(
     start_m = i_m * BLOCK_M
     q_row = start_m  # the tile's first row in q, dO and dq
     row0 = i_bh.to(tl.int64) * N_CTX_Q  # of lse2 and delta, fresh contiguous (B, Hq, N)
+    i_seq = i_b  # whose ALiBi slopes and dropout draws: the batch entry, or the packed sequence
+    k_start = 0  # the row of k that holds the sequence's key 0
     if VARLEN:
         # Packed sequences: the forward's mapping (its prologue says more)
         row0 = i_hq.to(tl.int64) * N_CTX_Q  # lse2 and delta are (Hq, total_q); N_CTX_Q arrives as total_q
-        start_m, q_start, k_start, N_CTX_Q, N_CTX_K = packed_tile(
+        i_seq, start_m, q_start, k_start, N_CTX_Q, N_CTX_K = packed_tile(
             i_m, BLOCK_M, TILE_OFFSETS, CU_SEQLENS_Q, CU_SEQLENS_K, N_SEQS)
         if start_m >= N_CTX_Q:
             return  # a spare program: every tile is taken
@@ -400,7 +404,8 @@ def _bwd_dq_kernel(
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     slope2 = 0.0
     if ALIBI:
-        slope2 = tl.load(SLOPES + i_b * stride_slope_b + i_hq) * LOG2E
+        slope2 = tl.load(SLOPES + i_seq * stride_slope_b + i_hq) * LOG2E
+    i_drop = i_seq * H_Q + i_hq  # the forward's dropout counter
 
     if HAS_WINDOW:
         # The forward's window walk; a ragged last query block masks every tile.
@@ -416,19 +421,19 @@ def _bwd_dq_kernel(
         offs_n -= k_start
 
     if HAS_WINDOW:
-        b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
+        b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n, k_start,
                              lo, full_start, N_CTX_Q, N_CTX_K, qk_scale,
-                             win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh,
+                             win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_drop,
                              drop_threshold, inv_keep,
                              True, CAUSAL, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
-    b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
+    b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n, k_start,
                          full_start, full_end, N_CTX_Q, N_CTX_K, qk_scale,
-                         win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh,
+                         win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_drop,
                          drop_threshold, inv_keep,
                          False, CAUSAL, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
-    b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
+    b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n, k_start,
                          full_end, hi, N_CTX_Q, N_CTX_K, qk_scale,
-                         win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh,
+                         win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_drop,
                          drop_threshold, inv_keep,
                          True, CAUSAL, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
 

@@ -82,25 +82,17 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            return_attn_probs: bool = False, block_table: torch.Tensor | None = None):
     """Drop-in for ``flash_attn.flash_attn_varlen_func``: the same packed layout and argument names.
 
-    q (total_q, Hq, D), k and v (total_k, Hkv, D), int32 ``cu_seqlens`` of B + 1 entries. Options
-    flashattn does not implement yet (``dropout_p`` other than 0, a ``window_size`` other than
-    (-1, -1), ``softcap``, ``alibi_slopes``, ``block_table``) raise ``NotImplementedError``. The
-    kernels are always deterministic, so ``deterministic`` has no effect. With ``return_attn_probs``
-    the result is ``(out, softmax_lse, None)``, the LSE (Hq, total_q); the probabilities are never
-    materialized.
+    q (total_q, Hq, D), k and v (total_k, Hkv, D), int32 ``cu_seqlens`` of B + 1 entries; with
+    ``block_table`` (B, max_pages) int32, k and v are a paged cache (num_pages, page_size, Hkv, D) and
+    ``cu_seqlens_k`` counts each sequence's keys in its pages. ``window_size``, ``softcap``,
+    ``alibi_slopes`` and ``dropout_p`` mean what they mean in :func:`flash_attn_func` and act inside each
+    sequence (:func:`attention_varlen`). The kernels are always deterministic, so ``deterministic`` has
+    no effect. With ``return_attn_probs`` the result is ``(out, softmax_lse, None)``, the LSE
+    (Hq, total_q); the probabilities are never materialized.
     """
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p must be 0.0: flashattn's varlen path has no dropout yet, got {dropout_p}")
-    if _window(window_size) != (None, None):
-        raise NotImplementedError(f"window_size must be (-1, -1): no sliding window yet, got {tuple(window_size)}")
-    if softcap != 0.0:
-        raise NotImplementedError(f"softcap must be 0.0: no softcapping yet, got {softcap}")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes must be None: no ALiBi yet")
-    if block_table is not None:
-        raise NotImplementedError("block_table must be None: a paged KV cache is flashattn.attention_with_kvcache's")
     out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                                scale=softmax_scale, return_lse=True)
+                                scale=softmax_scale, return_lse=True, window=_window(window_size), softcap=softcap,
+                                alibi_slopes=alibi_slopes, dropout_p=dropout_p, block_table=block_table)
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -6,7 +6,7 @@ max_seqlen_q=0, max_seqlen_k=0) -> (o, lse)`` and
 ``torch.ops.flashattn.attention_backward(do, q, k, v, o, lse, dlse, causal, scale, <the same options>)
 -> (dq, dk, dv)`` are registered with :mod:`torch.library`, one pair for every layout of
 :class:`flashattn.problem.Problem`: dense (B, H, N, D) tensors, or packed sequences (total, H, D) when
-``cu_seqlens_q`` and ``cu_seqlens_k`` are given (no variants on that layout yet).
+``cu_seqlens_q`` and ``cu_seqlens_k`` are given, with the same variants on either.
 
 ``scale`` None means ``1 / sqrt(D)``, computed inside the operator: computed in the traced code from a
 dynamic head dim, it would be a symbolic float that AOTAutograd turns into a tensor on every call. A
@@ -47,13 +47,14 @@ def _problem(q, k, causal, scale, window_left, window_right, softcap, alibi_slop
            dropout_p, packed and (cu_seqlens_q.shape[0], max_seqlen_q, max_seqlen_k))
     problem = _PROBLEMS.get(key)
     if problem is None:
+        # The operators spell the window as FlashAttention 2 does: a negative side is unbounded.
+        window = (None if window_left < 0 else window_left, None if window_right < 0 else window_right)
+        variants = dict(window=window, softcap=softcap, alibi=alibi_slopes is not None, dropout_p=dropout_p)
         if packed:
-            problem = Problem.packed(q, k, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, causal, scale)
+            problem = Problem.packed(q, k, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, causal, scale,
+                                     **variants)
         else:
-            # The operators spell the window as FlashAttention 2 does: a negative side is unbounded.
-            window = (None if window_left < 0 else window_left, None if window_right < 0 else window_right)
-            problem = Problem.of(q, k, causal, scale, window=window, softcap=softcap,
-                                 alibi=alibi_slopes is not None, dropout_p=dropout_p)
+            problem = Problem.of(q, k, causal, scale, **variants)
         remember(_PROBLEMS, key, problem)
     return problem
 

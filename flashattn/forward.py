@@ -43,12 +43,14 @@ from flashattn.problem import Problem, dense_like, seed_halves, variant_abi
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv,  #
-    offs_m, offs_n, lo, hi, N_CTX_Q, N_CTX_K, qk_scale,  #
-    win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh, drop_threshold,  #
+    offs_m, offs_n, key0, lo, hi, N_CTX_Q, N_CTX_K, qk_scale,  #
+    win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_drop, drop_threshold,  #
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,  #
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
 ):
-    """Fold the key blocks starting in [lo, hi) into the online-softmax state of one query block."""
+    """Fold the key blocks starting in [lo, hi) into the online-softmax state of one query block.
+    ``key0`` is the row of k that holds key 0 of the sequence (0 for dense tensors) and ``i_drop`` the
+    dropout mask's (sequence or batch) * Hq + head counter: the mask is drawn in sequence-local indices."""
     MODS: tl.constexpr = SOFTCAP or ALIBI
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n  # [BLOCK_N]
@@ -97,7 +99,7 @@ def _fwd_inner(
         if DROPOUT:
             # l_i above summed every entry: the softmax normalizes before dropout. Only P V sees the
             # dropped P; the kept entries' 1 / (1 - p) joins once, in the epilogue.
-            keep = dropout_keep(seed_lo, seed_hi, i_bh, offs_m, start_n, drop_threshold, BLOCK_N)
+            keep = dropout_keep(seed_lo, seed_hi, i_drop, offs_m, start_n - key0, drop_threshold, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         # --8<-- [end:fwd-dropout]
         b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
@@ -132,6 +134,8 @@ def _attn_fwd_kernel(
 
     start_m = i_m * BLOCK_M
     q_row = start_m  # the tile's first row in q and o
+    i_seq = i_b  # whose ALiBi slopes and dropout draws: the batch entry, or the packed sequence
+    k_start = 0  # the row of k that holds the sequence's key 0
     # --8<-- [start:fwd-varlen-prologue]
     if VARLEN:
         # Packed sequences, viewed as B = 1: i_m is a tile of this head's packed query rows, and
@@ -139,7 +143,7 @@ def _attn_fwd_kernel(
         # lengths and start_m, the masks and the schedule are local to it: one ordinary (n_i, m_i)
         # problem whose rows begin at q_start of q and whose keys begin at k_start of k.
         lse_row = i_hq.to(tl.int64) * N_CTX_Q  # lse is (Hq, total_q); N_CTX_Q arrives as total_q
-        start_m, q_start, k_start, N_CTX_Q, N_CTX_K = packed_tile(
+        i_seq, start_m, q_start, k_start, N_CTX_Q, N_CTX_K = packed_tile(
             i_m, BLOCK_M, TILE_OFFSETS, CU_SEQLENS_Q, CU_SEQLENS_K, N_SEQS)
         if start_m >= N_CTX_Q:
             return  # a spare program: every tile is taken
@@ -159,7 +163,8 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # running unnormalized P V
     slope2 = 0.0
     if ALIBI:  # this head's slope, in base-2 units
-        slope2 = tl.load(SLOPES + i_b * stride_slope_b + i_hq) * LOG2E
+        slope2 = tl.load(SLOPES + i_seq * stride_slope_b + i_hq) * LOG2E
+    i_drop = i_seq * H_Q + i_hq  # i_bh for dense tensors: a sequence draws the mask of that batch entry
 
     if HAS_WINDOW:
         # Key blocks in [lo, full_start) cross the window's left edge, [full_start, full_end) lie
@@ -179,19 +184,19 @@ def _attn_fwd_kernel(
         offs_n -= k_start
 
     if HAS_WINDOW:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n, k_start,
                                    lo, full_start, N_CTX_Q, N_CTX_K, qk_scale,
-                                   win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh,
+                                   win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_drop,
                                    drop_threshold, True, CAUSAL, BLOCK_N, BLOCK_D,
                                    HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n, k_start,
                                full_start, full_end, N_CTX_Q, N_CTX_K, qk_scale,
-                               win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh,
+                               win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_drop,
                                drop_threshold, False, CAUSAL, BLOCK_N, BLOCK_D,
                                HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n, k_start,
                                full_end, hi, N_CTX_Q, N_CTX_K, qk_scale,
-                               win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh,
+                               win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_drop,
                                drop_threshold, True, CAUSAL, BLOCK_N, BLOCK_D,
                                HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
 

@@ -88,25 +88,20 @@ class Problem:
         """
         batch, heads_q, n, head_dim = q.shape
         m = k.shape[2]
-        scale = _scale(scale, head_dim)
-        if window is not None:
-            left, right = schedule.window_bounds(n, m, bool(causal), tuple(window))
-            # left >= m - 1 and right >= n - 1 (0 when causal) reach every key already
-            if left >= m - 1 and right >= (0 if causal else n - 1):
-                window = None
-            else:
-                window = (int(left), int(right))
-        return cls(batch, heads_q, k.shape[1], n, m, head_dim, q.dtype, bool(causal), scale,
-                   window, float(softcap or 0.0), bool(alibi), float(dropout_p))
+        return cls(batch, heads_q, k.shape[1], n, m, head_dim, q.dtype, bool(causal), _scale(scale, head_dim),
+                   *_variants(n, m, causal, window, softcap, alibi, dropout_p))
 
     @classmethod
     def packed(cls, q: torch.Tensor, k: torch.Tensor, n_seqs: int, max_seqlen_q: int, max_seqlen_k: int,
-               causal: bool = False, scale: float | None = None) -> "Problem":
-        """The description of packed attention of q (total_q, Hq, D) over k (total_k, Hkv, D)."""
+               causal: bool = False, scale: float | None = None, *, window=None, softcap: float | None = 0.0,
+               alibi: bool = False, dropout_p: float = 0.0) -> "Problem":
+        """The description of packed attention of q (total_q, Hq, D) over k (total_k, Hkv, D); the
+        variants as :meth:`of` takes them, each acting inside every sequence alone."""
         total_q, heads_q, head_dim = q.shape
-        scale = _scale(scale, head_dim)
-        return cls(n_seqs, heads_q, k.shape[1], int(max_seqlen_q), int(max_seqlen_k), head_dim, q.dtype,
-                   bool(causal), scale, layout="packed", total_q=total_q, total_k=k.shape[0])
+        n, m = int(max_seqlen_q), int(max_seqlen_k)
+        return cls(n_seqs, heads_q, k.shape[1], n, m, head_dim, q.dtype, bool(causal), _scale(scale, head_dim),
+                   *_variants(n, m, causal, window, softcap, alibi, dropout_p),
+                   layout="packed", total_q=total_q, total_k=k.shape[0])
 
     @classmethod
     def cache(cls, q: torch.Tensor, k_cache: torch.Tensor, capacity: int, causal: bool = True,
@@ -158,6 +153,20 @@ class Problem:
 
 
 LAYOUTS = ("dense", "packed", "cache")
+
+
+def _variants(n: int, m: int, causal, window, softcap, alibi, dropout_p) -> tuple:
+    """The variant fields ``(window, softcap, alibi, dropout_p)`` in the kernels' spelling, for queries
+    and keys of at most ``n`` and ``m`` (a packed batch's longest sequences: a window that reaches
+    every key of those reaches every key of a shorter one too, so it is dropped for all of them)."""
+    if window is not None:
+        left, right = schedule.window_bounds(n, m, bool(causal), tuple(window))
+        # left >= m - 1 and right >= n - 1 (0 when causal) reach every key already
+        if left >= m - 1 and right >= (0 if causal else n - 1):
+            window = None
+        else:
+            window = (int(left), int(right))
+    return window, float(softcap or 0.0), bool(alibi), float(dropout_p)
 
 # The dense entry point hands a call to the split-KV kernels up to this many queries, from this many
 # keys (:func:`split_kv_wins`; benchmarks.split_kv_rule times both paths around these bounds).

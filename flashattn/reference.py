@@ -38,7 +38,7 @@ def _group(x: torch.Tensor, h_kv: int) -> torch.Tensor:
 
 def naive_attention(q, k, v, causal: bool = False, scale: float | None = None, *, window=None,
                     softcap: float | None = 0.0, alibi_slopes=None, dropout_p: float = 0.0, seed: int | None = None,
-                    dropout_mask=None):
+                    dropout_mask=None, batch_offset: int = 0):
     """Attention by the definition: S = scale * Q K^T, P = softmax(S), O = P V.
 
     Returns ``(o, lse)`` with ``lse`` the natural-log log-sum-exp of each row of S, shape (B, Hq, N).
@@ -50,7 +50,8 @@ def naive_attention(q, k, v, causal: bool = False, scale: float | None = None, *
     (``None`` = unbounded on that side) hides keys outside i + M - N - left <= j <= i + M - N + right.
     ``dropout_p`` > 0 zeroes entries of P (those where ``dropout_mask`` (B, Hq, N, M) is False, or the
     kernels' Philox mask of ``seed``, :func:`dropout_keep_mask`) and scales the rest by 1 / (1 - p);
-    the LSE is that of the scores, before dropout.
+    the LSE is that of the scores, before dropout. ``batch_offset`` is the batch index of q's first
+    entry for the Philox mask (a packed sequence draws the mask of its index, :func:`varlen_attention`).
     """
     b, h_q, n, d = q.shape
     h_kv, m = k.shape[1], k.shape[2]
@@ -77,7 +78,7 @@ def naive_attention(q, k, v, causal: bool = False, scale: float | None = None, *
     p = e / torch.where(l > 0, l, torch.ones_like(l))  # empty rows: e == 0, so p == 0
     if dropout_p > 0:
         if dropout_mask is None:
-            dropout_mask = dropout_keep_mask(seed, b, h_q, n, m, dropout_p, q.device)
+            dropout_mask = dropout_keep_mask(seed, b, h_q, n, m, dropout_p, q.device, batch_offset)
         p = p * dropout_mask.reshape(p.shape).to(p.dtype) / (1.0 - dropout_p)
     o = p @ v.unsqueeze(2)  # (B, Hkv, G, N, D)
     lse = (pivot + torch.log(l)).reshape(b, h_q, n)  # log(0) = -inf for empty rows
@@ -144,11 +145,13 @@ def dropout_keep_at(seed: int, i_bh, rows, cols, p: float) -> torch.Tensor:
 # --8<-- [end:philox]
 
 
-def dropout_keep_mask(seed: int, batch: int, heads: int, n: int, m: int, p: float, device=None) -> torch.Tensor:
-    """Boolean (B, Hq, N, M): True where the kernels keep an entry of P for this ``seed``."""
+def dropout_keep_mask(seed: int, batch: int, heads: int, n: int, m: int, p: float, device=None,
+                      batch_offset: int = 0) -> torch.Tensor:
+    """Boolean (B, Hq, N, M): True where the kernels keep an entry of P for this ``seed``, for the
+    batch entries ``batch_offset .. batch_offset + B - 1``."""
     if seed is None:
         raise ValueError("dropout needs a seed (or a dropout_mask)")
-    i_bh = torch.arange(batch * heads, device=device).reshape(batch, heads, 1, 1)
+    i_bh = torch.arange(batch_offset * heads, (batch_offset + batch) * heads, device=device).reshape(batch, heads, 1, 1)
     rows = torch.arange(n, device=device).reshape(1, 1, n, 1)
     cols = torch.arange(m, device=device).reshape(1, 1, 1, m)
     return dropout_keep_at(seed, i_bh, rows, cols, p)
@@ -195,7 +198,7 @@ class _Mods:
     """The score variants of one call, as the tile-by-tile loops apply them (the kernels' score_mods,
     softcap-grad and dropout-mask sections): everything in base 2, like the kernels."""
 
-    def __init__(self, q, h_kv, n, m, scale, acc_dtype, softcap, alibi_slopes, dropout_p, seed):
+    def __init__(self, q, h_kv, n, m, scale, acc_dtype, softcap, alibi_slopes, dropout_p, seed, batch_offset=0):
         b, h_q = q.shape[0], q.shape[1]
         self.n, self.m, self.scale, self.softcap = n, m, scale, softcap or 0.0
         self.qk_scale = scale * LOG2E
@@ -204,7 +207,8 @@ class _Mods:
         if dropout_p > 0 and seed is None:
             raise ValueError("dropout needs a seed")
         # b * Hq + h of every (B, Hkv, G) head, the third Philox counter word
-        self.i_bh = torch.arange(b * h_q, device=q.device).reshape(b, h_kv, h_q // h_kv, 1, 1)
+        self.i_bh = torch.arange(batch_offset * h_q, (batch_offset + b) * h_q, device=q.device).reshape(
+            b, h_kv, h_q // h_kv, 1, 1)
 
     def scores(self, b_q, b_k, start_m, start_n):
         """(base-2 scores, tanh of the softcap or None) of one tile."""
@@ -253,19 +257,19 @@ def _key_walk(start_m, block_m, block_n, n, m, causal, win, for_dq=False):
 
 def online_forward(q, k, v, causal: bool = False, scale: float | None = None, block_m: int = 64, block_n: int = 64,
                    *, window=None, softcap: float | None = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
-                   seed: int | None = None):
+                   seed: int | None = None, batch_offset: int = 0):
     """Tile-by-tile forward: the loops of the Triton forward kernel, written in PyTorch.
 
     For each query block, walk the key blocks that :func:`flashattn.schedule.forward_key_range` names
     (:func:`flashattn.schedule.window_key_range` under a window), keeping the running row max ``m_i``
     (base 2), the running sum ``l_i`` and the unnormalized output ``acc``. Returns ``(o, lse)`` like
-    :func:`naive_attention`, which also describes the variants' keyword arguments.
+    :func:`naive_attention`, which also describes the variants' keyword arguments and ``batch_offset``.
     """
     b, h_q, n, d = q.shape
     h_kv, m = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     acc_dtype = _acc_dtype(q)
-    mods = _Mods(q, h_kv, n, m, scale, acc_dtype, softcap, alibi_slopes, dropout_p, seed)
+    mods = _Mods(q, h_kv, n, m, scale, acc_dtype, softcap, alibi_slopes, dropout_p, seed, batch_offset)
     win = _kernel_window(n, m, causal, window)
     qg = _group(q, h_kv).to(acc_dtype)  # (B, Hkv, G, N, D)
     kf, vf = k.unsqueeze(2).to(acc_dtype), v.unsqueeze(2).to(acc_dtype)  # (B, Hkv, 1, M, D)
@@ -316,20 +320,20 @@ def online_forward(q, k, v, causal: bool = False, scale: float | None = None, bl
 def online_backward(
     do, q, k, v, o, lse, causal: bool = False, scale: float | None = None, block_m: int = 64, block_n: int = 64,
     dlse=None, *, window=None, softcap: float | None = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
-    seed: int | None = None,
+    seed: int | None = None, batch_offset: int = 0,
 ):
     """Tile-by-tile backward: preprocess D, then the dK/dV loop and the dQ loop, recomputing P from lse.
 
     Returns ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v. dK and dV of a key/value head sum the
     contributions of every query head of its group. ``dlse`` (B, Hq, N), when given, is the gradient
     that reached the LSE output; it joins delta (dS = P * (dP - (delta - dLSE))). The variants take the
-    forward's arguments; the ALiBi slopes get no gradient.
+    forward's arguments (``batch_offset`` too); the ALiBi slopes get no gradient.
     """
     b, h_q, n, d = q.shape
     h_kv, m = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     acc_dtype = _acc_dtype(q)
-    mods = _Mods(q, h_kv, n, m, scale, acc_dtype, softcap, alibi_slopes, dropout_p, seed)
+    mods = _Mods(q, h_kv, n, m, scale, acc_dtype, softcap, alibi_slopes, dropout_p, seed, batch_offset)
     win = _kernel_window(n, m, causal, window)
     inv_keep = 1.0 / (1.0 - dropout_p)
     qg, dog, og = (_group(x, h_kv).to(acc_dtype) for x in (q, do, o))  # (B, Hkv, G, N, D)
@@ -422,7 +426,9 @@ def online_backward(
 
 
 # --8<-- [start:varlen-reference]
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, scale: float | None = None):
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, scale: float | None = None, *,
+                     window=None, softcap: float | None = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
+                     seed: int | None = None):
     """Packed sequences by the definition: :func:`naive_attention` on each sequence alone.
 
     q is (total_q, Hq, D) and k, v are (total_k, Hkv, D), the sequences one after the other; sequence
@@ -431,6 +437,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, 
     sequence). Returns ``(o, lse)``: o (total_q, Hq, D), lse (Hq, total_q), the layout of
     ``flash_attn_varlen_func``. A sequence without keys gives o = 0, lse = -inf. Computes in the dtype
     of the inputs (float64 for a ground truth); differentiable by autograd. Reads the lengths on the host.
+
+    The variants act inside each sequence as :func:`naive_attention`'s do on a batch entry of its own:
+    the window and ALiBi distances are sequence-local, ``alibi_slopes`` (B, Hq) gives sequence ``i`` row
+    ``i``, and sequence ``i`` draws the dropout mask of batch entry ``i`` (``batch_offset=i``).
     """
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     total_q, h_q, d = q.shape
@@ -445,13 +455,22 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, 
             lse_parts.append(torch.full((h_q, n), float("-inf"), dtype=_acc_dtype(q), device=q.device))
             continue
         heads = (lambda x: x.transpose(0, 1)[None])  # (L, H, D) -> (1, H, L, D)
-        o_i, lse_i = naive_attention(heads(q[rows]), heads(k[keys]), heads(v[keys]), causal=causal, scale=scale)
+        o_i, lse_i = naive_attention(heads(q[rows]), heads(k[keys]), heads(v[keys]), causal=causal, scale=scale,
+                                     **sequence_variants(i, window, softcap, alibi_slopes, dropout_p, seed))
         o_parts.append(o_i[0].transpose(0, 1))
         lse_parts.append(lse_i[0])
     if not o_parts:
         return q.new_zeros(q.shape), torch.empty((h_q, 0), dtype=_acc_dtype(q), device=q.device)
     return torch.cat(o_parts, 0), torch.cat(lse_parts, 1)
 # --8<-- [end:varlen-reference]
+
+
+def sequence_variants(i: int, window, softcap, alibi_slopes, dropout_p, seed) -> dict:
+    """The variant keywords of the references for packed sequence ``i`` alone (its ALiBi row, its
+    dropout counters)."""
+    slopes = alibi_slopes[i] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+    return dict(window=window, softcap=softcap, alibi_slopes=slopes, dropout_p=dropout_p,
+                seed=seed if dropout_p > 0 else None, batch_offset=i)
 
 
 # ----------------------------------------------------------------------------------------------

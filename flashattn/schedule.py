@@ -295,9 +295,10 @@ def packed_tile(tile, block, tile_offsets, cu_tiled, cu_other, n_seqs):
 
     The tiled side (queries in the forward and dQ, keys in dK/dV) has ``block`` rows per tile and the
     sequence boundaries ``cu_tiled`` (``n_seqs + 1`` cumulative lengths, 0 first); ``cu_other`` are
-    the boundaries of the other side. Returns ``(start, tiled_start, other_start, tiled_len,
-    other_len)``: the tile's first row inside its sequence, where the sequence begins in each packed
-    tensor, and its two lengths. ``start >= tiled_len`` marks a program with no tile: the launch has
+    the boundaries of the other side. Returns ``(seq, start, tiled_start, other_start, tiled_len,
+    other_len)``: the tile's sequence, its first row inside that sequence, where the sequence begins
+    in each packed tensor, and its two lengths (the sequence index picks a sequence's ALiBi slopes and
+    counts its dropout draws, as the batch index does for dense tensors). ``start >= tiled_len`` marks a program with no tile: the launch has
     ``cdiv(total, block) + n_seqs`` programs per head, a bound the host knows without reading the
     lengths, and the programs past the last tile stop at once.
     """
@@ -307,7 +308,7 @@ def packed_tile(tile, block, tile_offsets, cu_tiled, cu_other, n_seqs):
     other_start = load(cu_other, seq)
     tiled_len = load(cu_tiled, seq + 1) - tiled_start
     other_len = load(cu_other, seq + 1) - other_start
-    return start, tiled_start, other_start, tiled_len, other_len
+    return seq, start, tiled_start, other_start, tiled_len, other_len
 # --8<-- [end:packed-tile]
 
 
@@ -332,13 +333,9 @@ def packed_programs(cu_tiled, cu_other, block):
     offsets = packed_tile_offsets(cu_tiled, block)
     programs = []
     for tile in range(-(-cu_tiled[-1] // block) + n_seqs):
-        start, tiled_start, other_start, tiled_len, other_len = packed_tile(
+        seq, start, tiled_start, other_start, tiled_len, other_len = packed_tile(
             tile, block, offsets, cu_tiled, cu_other, n_seqs)
-        if start >= tiled_len:
-            programs.append(None)
-        else:
-            seq = sequence_of_tile(tile, offsets, n_seqs)
-            programs.append((seq, start, tiled_start, other_start, tiled_len, other_len))
+        programs.append(None if start >= tiled_len else (seq, start, tiled_start, other_start, tiled_len, other_len))
     return programs
 
 

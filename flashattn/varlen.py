@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from flashattn.api import (MAX_HEAD_DIM, MIN_HEAD_DIM, autocast_inputs, check_dtype_for_device, check_flag,
-                           check_scale, check_tensors, is_int)
+from flashattn.api import (MAX_HEAD_DIM, MIN_HEAD_DIM, autocast_inputs, check_dropout_source, check_dtype_for_device,
+                           check_flag, check_scale, check_tensors, check_variants, dropout_seed, is_int)
 from flashattn.autograd import AttentionFunction, attention_apply, use_kernels
 from flashattn.problem import Problem
 
@@ -79,9 +79,51 @@ def _check_cu_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             raise ValueError(f"max_seqlen_{side} ({bound}) is smaller than the longest sequence of {name} ({longest})")
 
 
+def _check_block_table(k, v, block_table, cu_seqlens_k, max_seqlen_k):
+    """A paged K/V: k and v (num_pages, page_size, Hkv, D) and a block table (B, max_pages) int32 on
+    their device whose rows hold at least max_seqlen_k keys."""
+    for name, x in (("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"with a block_table, {name} must be a paged cache (num_pages, page_size, Hkv, D), got {shape}")
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise TypeError("block_table must be a 2-D int32 torch.Tensor (B, max_pages)")
+    if block_table.device != k.device:
+        raise ValueError(f"block_table must be on the device of k ({k.device}), got {block_table.device}")
+    if isinstance(cu_seqlens_k, torch.Tensor) and block_table.shape[0] != cu_seqlens_k.shape[0] - 1:
+        raise ValueError(f"block_table must have one row per sequence ({cu_seqlens_k.shape[0] - 1}), "
+                         f"got {block_table.shape[0]}")
+    if k.shape[0] == 0 or k.shape[1] == 0:
+        raise ValueError(f"a paged k needs at least one page of at least one slot, got {tuple(k.shape)}")
+    if is_int(max_seqlen_k) and block_table.shape[1] * k.shape[1] < max_seqlen_k:
+        raise ValueError(f"block_table holds {block_table.shape[1]} pages of {k.shape[1]} keys per sequence, "
+                         f"fewer than max_seqlen_k = {max_seqlen_k}")
+
+
+def _gather_pages(k, v, block_table, cu_seqlens_k):
+    """k and v of a paged cache as packed (total_k, Hkv, D) tensors: key j of sequence b is slot
+    ``j % page_size`` of page ``block_table[b, j // page_size]``. One gather (a copy of the keys and
+    values the sequences use; autograd sends their gradients back to the pages), and one host sync for
+    total_k. Pages past a sequence's length are never read, and a page id out of range raises."""
+    num_pages, page_size = k.shape[0], k.shape[1]
+    total_k = int(cu_seqlens_k[-1])
+    key = torch.arange(total_k, device=k.device, dtype=torch.int32)
+    seq = torch.searchsorted(cu_seqlens_k, key, right=True) - 1  # the sequence of each packed key
+    j = key - cu_seqlens_k[seq]  # its index inside the sequence
+    page = block_table[seq, j // page_size].long()
+    if total_k and not bool(((page >= 0) & (page < num_pages)).all()):
+        raise ValueError(f"block_table names a page outside the cache's {num_pages} pages")
+    rows = page * page_size + (j % page_size)
+    return k.flatten(0, 1).index_select(0, rows), v.flatten(0, 1).index_select(0, rows)
+
+
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
                      scale: float | None = None, return_lse: bool = False,
+                     window: tuple[int | None, int | None] | None = None, softcap: float | None = None,
+                     alibi_slopes: torch.Tensor | None = None, dropout_p: float = 0,
+                     generator: torch.Generator | None = None, seed: int | None = None,
+                     block_table: torch.Tensor | None = None,
                      validate: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed sequences of different lengths, with no padding.
 
@@ -102,6 +144,18 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         return_lse: also return the natural-log log-sum-exp of each row, (Hq, total_q), float32 (float64
             for float64 inputs; the layout of ``flash_attn_varlen_func``), differentiable like
             :func:`flashattn.attention`'s.
+        window, softcap: as in :func:`flashattn.attention`, inside each sequence: the window is
+            bottom-right aligned on that sequence's diagonal (``i + M_i - N_i``).
+        alibi_slopes: float32 (Hq,) or (B, Hq) with one row per sequence; distances are taken inside
+            the sequence.
+        dropout_p, generator, seed: as in :func:`flashattn.attention`. Sequence ``i`` draws exactly the
+            mask that batch entry ``i`` of a dense call with the same seed draws (the mask is a function
+            of the seed, the sequence, the head and the sequence-local ``(i, j)``).
+        block_table: int32 (B, max_pages): k and v are then a paged cache (num_pages, page_size, Hkv, D)
+            (prefill against a paged KV cache) and ``cu_seqlens_k`` counts each sequence's keys, key
+            ``j`` of sequence ``b`` sitting in slot ``j % page_size`` of page ``block_table[b, j //
+            page_size]``. The pages a call uses are gathered into packed k, v first (one copy of them,
+            one host sync; gradients flow back to the pages), then attended as above. Eager only.
         validate: check the values of cu_seqlens (start 0, non-decreasing, end at the totals, lengths
             at most max_seqlen). On the CPU they are always checked; for CUDA tensors the check costs
             one host sync, so a caller that builds cu_seqlens itself can pass ``validate=False``.
@@ -119,11 +173,23 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     dtype, as for :func:`flashattn.attention`.
     """
     q, k, v = autocast_inputs(q, k, v)
+    if block_table is not None:
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("attention_varlen with a block_table runs eagerly only (its gather needs "
+                                      "the total key count on the host)")
+        _check_block_table(k, v, block_table, cu_seqlens_k, max_seqlen_k)
+        _check_cu_seqlens(q, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        k, v = _gather_pages(k, v, block_table, cu_seqlens_k.contiguous())
     _check_tensors(q, k, v)
     _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     for name, flag in (("causal", causal), ("return_lse", return_lse), ("validate", validate)):
         check_flag(name, flag)
     check_scale(scale)
+    n_seqs = cu_seqlens_q.shape[0] - 1
+    window, softcap = check_variants(q, n_seqs, q.shape[1], window, softcap, alibi_slopes, dropout_p)
+    check_dropout_source(generator, seed)
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.detach().contiguous()
     scale = None if scale is None else float(scale)  # None: 1 / sqrt(D), taken by Problem or the operator
     # the kernels read cu_seqlens at unit stride; made so once here (a no-op when they are), and the
     # backward gets them from the forward
@@ -132,12 +198,19 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if not compiling and (validate or q.device.type == "cpu"):
         _check_cu_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if compiling:
+        if dropout_p > 0 and seed is None:
+            raise ValueError("under torch.compile, dropout needs an explicit seed= (a generator cannot be traced)")
+        left, right = window if window is not None else (None, None)
+        dropout_p = float(dropout_p) if dropout_p != 0 else 0.0  # flashattn.api.attention says why
         o, lse = torch.ops.flashattn.attention_forward(
-            q, k, v, causal, scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k)
+            q, k, v, causal, scale, -1 if left is None else left, -1 if right is None else right, softcap,
+            alibi_slopes, dropout_p, int(seed) if dropout_p > 0 else 0, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     else:
-        problem = Problem.packed(q, k, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, causal, scale)
-        args = (q, k, v, problem, use_kernels(q), None, 0, cu_seqlens_q, cu_seqlens_k)
+        problem = Problem.packed(q, k, n_seqs, max_seqlen_q, max_seqlen_k, causal, scale, window=window,
+                                 softcap=softcap, alibi=alibi_slopes is not None, dropout_p=float(dropout_p))
+        args = (q, k, v, problem, use_kernels(q), alibi_slopes, dropout_seed(problem.dropout_p, generator, seed),
+                cu_seqlens_q, cu_seqlens_k)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             o, lse = attention_apply(*args)
         else:

@@ -28,13 +28,16 @@ def _model(kind: str, **overrides):
     return model_cls(config_cls(**SIZES, **overrides)).eval()
 
 
-def _inputs(padded: bool):
+def _inputs(padded: bool, side: str = "left"):
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, SIZES["vocab_size"], (3, 17), generator=gen)
     mask = torch.ones_like(ids)
-    if padded:
-        mask[0, :5] = 0  # left padding, as generate() pads
+    if padded and side == "left":  # as generate() pads
+        mask[0, :5] = 0
         mask[2, :2] = 0
+    elif padded:  # as a training collator pads
+        mask[0, -5:] = 0
+        mask[2, -2:] = 0
     return ids, mask
 
 
@@ -63,46 +66,59 @@ def test_logits_match_transformers_own_attention(kind, overrides, peer):
         assert (_logits(plain, peer, ids, mask) - theirs).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_padded_batches_go_through_packed_sequences(kind, monkeypatch):
-    """A left-padded batch: the real tokens' logits equal transformers' sdpa's, through one
-    attention_varlen call per layer (never a loop over the sequences), and greedy generation makes the
-    same tokens."""
-    model = _model(kind)
+PADDED = [
+    ("llama", {}, "sdpa"),
+    ("qwen2", {}, "sdpa"),
+    ("mistral", dict(sliding_window=5), "sdpa"),
+    ("gemma2", dict(sliding_window=6, head_dim=16, attn_logit_softcapping=2.0, query_pre_attn_scalar=16), "eager"),
+]
+
+
+@pytest.mark.parametrize("kind, overrides, peer", PADDED, ids=[p[0] for p in PADDED])
+def test_padded_batches_go_through_packed_sequences(kind, overrides, peer, monkeypatch):
+    """A left-padded batch: the real tokens' logits equal transformers' own attention's, through one
+    attention_varlen call per layer (never a loop over the sequences) that takes the model's window and
+    softcap, and greedy generation makes the same tokens."""
+    model = _model(kind, **overrides)
     ids, mask = _inputs(padded=True)
     calls = []
     real_varlen = fa_transformers.attention_varlen
-    monkeypatch.setattr(fa_transformers, "attention_varlen", lambda *a, **k: calls.append(a[3]) or real_varlen(*a, **k))
-    ours, theirs = _logits(model, NAME, ids, mask), _logits(model, "sdpa", ids, mask)
+    monkeypatch.setattr(fa_transformers, "attention_varlen",
+                        lambda *a, **k: calls.append((a[3], k)) or real_varlen(*a, **k))
+    ours, theirs = _logits(model, NAME, ids, mask), _logits(model, peer, ids, mask)
     real = mask.bool()
     torch.testing.assert_close(ours[real], theirs[real], rtol=0, atol=2e-5)
-    assert len(calls) == SIZES["num_hidden_layers"] and all(len(cu) == ids.shape[0] + 1 for cu in calls)
+    assert len(calls) == SIZES["num_hidden_layers"] and all(len(cu) == ids.shape[0] + 1 for cu, _ in calls)
+    if "sliding_window" in overrides:  # transformers' W keys, the query's own included: left = W - 1
+        assert any(k["window"] == (overrides["sliding_window"] - 1, 0) for _, k in calls)
+    if "attn_logit_softcapping" in overrides:
+        assert all(k["softcap"] == overrides["attn_logit_softcapping"] for _, k in calls)
     generated = {}
-    for impl in (NAME, "sdpa"):
+    for impl in (NAME, peer):
         model.set_attn_implementation(impl)
         generated[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
-    assert torch.equal(generated[NAME], generated["sdpa"])
+    assert torch.equal(generated[NAME], generated[peer])
 
 
-def test_gradients_match_transformers_own_attention():
-    """The loss's gradients for every parameter, padded batch: as sdpa's to float32 rounding."""
-    ids, mask = _inputs(padded=True)
+@pytest.mark.parametrize("kind, overrides, peer", [PADDED[0], PADDED[3]], ids=["llama", "gemma2"])
+def test_gradients_match_transformers_own_attention(kind, overrides, peer):
+    """The loss's gradients for every parameter, right-padded batch with the padding out of the loss
+    (Gemma 2: window and softcap through the packed path): as transformers' own attention's to float32
+    rounding. (Right padding: with left padding the last pad position's logits predict the first real
+    token and join the loss, and what a query row with no key outputs differs between implementations.)"""
+    ids, mask = _inputs(padded=True, side="right")
     grads = {}
-    for impl in (NAME, "sdpa"):
-        model = _model("llama").train()
+    for impl in (NAME, peer):
+        model = _model(kind, **overrides).train()
         model.set_attn_implementation(impl)
-        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
         loss.backward()
         grads[impl] = {n: p.grad for n, p in model.named_parameters()}
-    for name, g in grads["sdpa"].items():
+    for name, g in grads[peer].items():
         torch.testing.assert_close(grads[NAME][name], g, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_what_is_not_supported_yet_raises():
-    model = _model("mistral", sliding_window=5)
-    ids, mask = _inputs(padded=True)
-    with pytest.raises(NotImplementedError, match="sliding window"):
-        _logits(model, NAME, ids, mask)  # a padded batch with a window: packed sequences take none yet
+def test_a_name_with_flash_is_refused():
     with pytest.raises(ValueError, match="flash"):
         fa_transformers.register("my_flash_attention")
 

@@ -47,12 +47,12 @@ def _pack(lens_q, lens_k, h_q, h_kv, d, dtype, *, layout="contiguous", seed=0, s
     return q, k, v, rand(total_q, h_q, d)
 
 
-def _references(q, k, v, do, cu_q, cu_k, causal, scale, dlse):
+def _references(q, k, v, do, cu_q, cu_k, causal, scale, dlse, variants):
     """(float64, PyTorch low precision) results of the per-sequence reference: (o, lse, dq, dk, dv) each."""
     out = []
     for dtype in (torch.float64, q.dtype):
         leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
-        o, lse = reference.varlen_attention(*leaves, cu_q, cu_k, causal, scale)
+        o, lse = reference.varlen_attention(*leaves, cu_q, cu_k, causal, scale, **variants)
         grads = [None] * 3
         if o.requires_grad:  # else no sequence has both queries and keys
             grads = torch.autograd.grad([o, lse], leaves, [do.to(dtype), dlse.to(lse.dtype)], allow_unused=True)
@@ -61,21 +61,26 @@ def _references(q, k, v, do, cu_q, cu_k, causal, scale, dlse):
     return out
 
 
-def _check(lens_q, lens_k, h_q, h_kv, d, causal, dtype, *, layout="contiguous", seed=0, std=1.0, floor=1e-5):
-    """attention_varlen forward and backward (o and lse both used) against float64; returns the outputs."""
+def _check(lens_q, lens_k, h_q, h_kv, d, causal, dtype, *, layout="contiguous", seed=0, std=1.0, floor=1e-5,
+           variants=None):
+    """attention_varlen forward and backward (o and lse both used) against float64, with the variants
+    (``window``, ``softcap``, ``alibi_slopes``, ``dropout_p`` and its ``seed``) given to both; returns the
+    outputs."""
+    variants = variants or {}
     q, k, v, do = _pack(lens_q, lens_k, h_q, h_kv, d, dtype, layout=layout, seed=seed, std=std)
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     scale = d ** -0.5
-    ref_lse = reference.varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k, causal, scale)[1]
+    ref_lse = reference.varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k, causal, scale,
+                                         **variants)[1]
     # a gradient on every LSE row that sees a key (an empty row's LSE is -inf and has no gradient)
     dlse = torch.where(torch.isfinite(ref_lse), torch.randn(ref_lse.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)).to(ref_lse.device), 0.0).float()
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
     o, lse = flashattn.attention_varlen(qg, kg, vg, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                        return_lse=True)
+                                        return_lse=True, **variants)
     assert o.shape == q.shape and o.dtype == q.dtype
     assert lse.shape == (h_q, q.shape[0]) and lse.dtype == torch.float32
     dq, dk, dv = torch.autograd.grad([o, lse], (qg, kg, vg), [do, dlse])
-    ref, lowp = _references(q, k, v, do, cu_q, cu_k, causal, scale, dlse)
+    ref, lowp = _references(q, k, v, do, cu_q, cu_k, causal, scale, dlse, variants)
     for name, got, r, lp in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv), ref, lowp):
         assert got.shape == r.shape, name
         assert_close_ratio(name, got.detach(), r, lp, floor=floor)
@@ -141,14 +146,15 @@ from flashattn.tensors import tile_offsets  # noqa: E402
 
 @triton.jit
 def _probe_packed_tile(OUT, TILE_OFFSETS, CU_Q, CU_K, N_SEQS, BLOCK: tl.constexpr):
-    """Writes what packed_tile gives program ``tile``: (start, q_start, k_start, n, m)."""
+    """Writes what packed_tile gives program ``tile``: (seq, start, q_start, k_start, n, m)."""
     tile = tl.program_id(0)
-    start, q_start, k_start, n, m = packed_tile(tile, BLOCK, TILE_OFFSETS, CU_Q, CU_K, N_SEQS)
-    tl.store(OUT + tile * 5 + 0, start)
-    tl.store(OUT + tile * 5 + 1, q_start)
-    tl.store(OUT + tile * 5 + 2, k_start)
-    tl.store(OUT + tile * 5 + 3, n)
-    tl.store(OUT + tile * 5 + 4, m)
+    seq, start, q_start, k_start, n, m = packed_tile(tile, BLOCK, TILE_OFFSETS, CU_Q, CU_K, N_SEQS)
+    tl.store(OUT + tile * 6 + 0, seq)
+    tl.store(OUT + tile * 6 + 1, start)
+    tl.store(OUT + tile * 6 + 2, q_start)
+    tl.store(OUT + tile * 6 + 3, k_start)
+    tl.store(OUT + tile * 6 + 4, n)
+    tl.store(OUT + tile * 6 + 5, m)
 
 
 @pytest.mark.parametrize("pack", PACKS, ids=lambda p: "-".join(map(str, p[0])))
@@ -158,7 +164,7 @@ def test_compiled_packed_tile_matches_the_host_mirror(pack):
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     block = 16
     grid = -(-sum(lens_q) // block) + len(lens_q)
-    out = torch.full((grid, 5), -1, dtype=torch.int32)
+    out = torch.full((grid, 6), -1, dtype=torch.int32)
     out = out.to(DEVICE)
     _probe_packed_tile[(grid,)](out, tile_offsets(cu_q, block), cu_q, cu_k, len(lens_q), BLOCK=block)
     offsets = schedule.packed_tile_offsets(cu_q.tolist(), block)
@@ -191,6 +197,95 @@ def _case_id(c):
 def test_interpreter_matches_float64(case):
     lens_q, lens_k, h_q, h_kv, d, causal, layout = case
     _check(lens_q, lens_k, h_q, h_kv, d, causal, torch.float16, layout=layout)
+
+
+def _slopes(rows, h_q, seed):
+    """ALiBi slopes: (Hq,) for rows = 0, else one row per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (h_q,) if rows == 0 else (rows, h_q)
+    return (torch.rand(shape, generator=gen) * 0.5).to(DEVICE)
+
+
+# (name, causal, variants): each variant alone, then stacked; the packs hold empty sequences on each
+# side, N != M and windows that leave rows with no key
+VARIANT_CASES = [
+    ("window", False, dict(window=(6, 3))),
+    ("window-left-causal", True, dict(window=(9, None))),
+    ("window-right-only", False, dict(window=(None, 0))),
+    ("softcap", False, dict(softcap=1.5)),
+    ("alibi-per-head", True, dict(alibi_slopes=("heads",))),
+    ("alibi-per-sequence", False, dict(alibi_slopes=("sequences",))),
+    ("dropout", False, dict(dropout_p=0.25, seed=1234)),
+    ("dropout-causal", True, dict(dropout_p=0.4, seed=2**40 + 7)),
+    ("stacked", True, dict(window=(12, 2), softcap=4.0, alibi_slopes=("sequences",), dropout_p=0.2, seed=77)),
+]
+
+
+def _variants_of(options, n_seqs, h_q):
+    variants = dict(options)
+    if "alibi_slopes" in variants:
+        variants["alibi_slopes"] = _slopes(0 if variants["alibi_slopes"][0] == "heads" else n_seqs, h_q, n_seqs)
+    return variants
+
+
+@cpu_only
+@pytest.mark.parametrize("name,causal,options", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
+def test_interpreter_variants_match_float64(name, causal, options):
+    lens_q, lens_k = [5, 0, 40, 1, 33], [7, 3, 40, 0, 20]
+    _check(lens_q, lens_k, 4, 2, 24, causal, torch.float16, std=2.0, variants=_variants_of(options, len(lens_q), 4))
+
+
+@cpu_only
+def test_interpreter_variants_on_sequences_of_equal_length_give_the_dense_bits():
+    """Packed sequences of one length are a dense batch: with every variant (sequence i draws batch
+    entry i's dropout mask and takes row i of the slopes) the kernels give the dense call's bits."""
+    b, n, h_q, h_kv, d = 3, 37, 4, 2, 24
+    q, k, v, do = _pack([n] * b, [n] * b, h_q, h_kv, d, torch.float16, seed=9)
+    options = dict(window=(10, 3), softcap=3.0, alibi_slopes=_slopes(b, h_q, 3), dropout_p=0.3, seed=99)
+    dense = lambda x: x.reshape(b, n, *x.shape[1:]).transpose(1, 2)  # (B*N, H, D) -> (B, H, N, D)
+    runs = []
+    for packed in (True, False):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        if packed:
+            o = flashattn.attention_varlen(*leaves, _cu([n] * b), _cu([n] * b), n, n, causal=True, **options)
+        else:
+            o = flashattn.attention(*(dense(x) for x in leaves), causal=True, **options).transpose(1, 2).reshape(q.shape)
+        runs.append((o.detach(), *torch.autograd.grad(o, leaves, do)))
+    assert runs[0][0].abs().max() > 0
+    for name, a, bb in zip(("o", "dq", "dk", "dv"), *runs):
+        assert torch.equal(a, bb), name
+
+
+def test_reference_sequence_draws_its_batch_entrys_dropout_mask():
+    """In float64 the per-sequence reference with dropout equals the dense reference on a batch of
+    equal sequences, and a different seed gives a different result (the mask is really drawn)."""
+    b, n, h = 2, 11, 2
+    q, k, v = (torch.randn(b * n, h, 16, dtype=torch.float64) for _ in range(3))
+    cu = _cu([n] * b, "cpu")
+    heads = lambda x: x.reshape(b, n, h, 16).transpose(1, 2)
+    o = reference.varlen_attention(q, k, v, cu, cu, dropout_p=0.5, seed=3)[0]
+    o_dense = reference.naive_attention(heads(q), heads(k), heads(v), dropout_p=0.5, seed=3)[0]
+    torch.testing.assert_close(o, o_dense.transpose(1, 2).reshape(o.shape), rtol=0, atol=1e-12)
+    other = reference.varlen_attention(q, k, v, cu, cu, dropout_p=0.5, seed=4)[0]
+    assert (other - o).abs().max() > 1e-3
+
+
+def test_cpu_reference_path_takes_the_variants(monkeypatch):
+    """float32 CPU tensors (the reference backend, no interpreter): variants reach the per-sequence
+    reference, forward and backward, and agree with float64 autograd."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    lens_q, lens_k = [6, 0, 13], [9, 4, 13]
+    q, k, v, do = (x.cpu() for x in _pack(lens_q, lens_k, 4, 2, 16, torch.float32, seed=8))
+    cu_q, cu_k = _cu(lens_q, "cpu"), _cu(lens_k, "cpu")
+    options = dict(window=(4, 1), softcap=2.0, alibi_slopes=_slopes(3, 4, 1).cpu(), dropout_p=0.3, seed=5)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o = flashattn.attention_varlen(*leaves, cu_q, cu_k, 13, 13, causal=True, **options)
+    grads = torch.autograd.grad(o, leaves, do)
+    ref_leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    o64 = reference.varlen_attention(*ref_leaves, cu_q, cu_k, True, **options)[0]
+    ref_grads = torch.autograd.grad(o64, ref_leaves, do.double())
+    for got, r in zip((o, *grads), (o64, *ref_grads)):
+        torch.testing.assert_close(got.double(), r, rtol=1e-4, atol=1e-5)
 
 
 @cpu_only
@@ -275,10 +370,77 @@ def test_flash_attn_varlen_func_layout_and_options():
     out, lse, probs = flashattn.flash_attn_varlen_func(q, k, v, cu, cu, 9, 9, causal=True, return_attn_probs=True)
     o, lse_a = flashattn.attention_varlen(q, k, v, cu, cu, 9, 9, causal=True, return_lse=True)
     assert torch.equal(out, o) and torch.equal(lse, lse_a) and probs is None
-    for kwargs in (dict(dropout_p=0.1), dict(window_size=(4, 0)), dict(softcap=30.0),
-                   dict(alibi_slopes=torch.ones(2)), dict(block_table=torch.zeros(2, 1, dtype=torch.int32))):
-        with pytest.raises(NotImplementedError, match=next(iter(kwargs))):
-            flashattn.flash_attn_varlen_func(q, k, v, cu, cu, 9, 9, **kwargs)
+    slopes = torch.rand(2, 2, device=DEVICE)
+    for ours, theirs in ((dict(window=(4, 0)), dict(window_size=(torch.tensor(4), -1))),
+                         (dict(softcap=30.0), dict(softcap=30.0)),
+                         (dict(alibi_slopes=slopes), dict(alibi_slopes=slopes))):
+        o = flashattn.attention_varlen(q, k, v, cu, cu, 9, 9, causal=True, **ours)
+        assert torch.equal(flashattn.flash_attn_varlen_func(q, k, v, cu, cu, 9, 9, causal=True, **theirs), o)
+    torch.manual_seed(5)  # flash_attn_varlen_func draws its dropout seed from torch's default generator
+    dropped = flashattn.flash_attn_varlen_func(q, k, v, cu, cu, 9, 9, dropout_p=0.5)
+    torch.manual_seed(5)
+    assert torch.equal(dropped, flashattn.attention_varlen(q, k, v, cu, cu, 9, 9, dropout_p=0.5))
+    assert not torch.equal(dropped, flashattn.attention_varlen(q, k, v, cu, cu, 9, 9))
+
+
+def _paged(k, lens, page_size, num_pages, seed):
+    """k (total, H, D) of packed sequences scattered into shuffled pages: (pages, block_table)."""
+    gen = torch.Generator().manual_seed(seed)
+    max_pages = max(-(-n // page_size) for n in lens)
+    order = torch.randperm(num_pages, generator=gen)
+    pages = torch.randn(num_pages, page_size, *k.shape[1:], generator=gen).to(k.dtype).to(k.device)
+    table = torch.zeros(len(lens), max_pages, dtype=torch.int32)
+    start, used = 0, 0
+    for b, n in enumerate(lens):
+        for p in range(-(-n // page_size)):
+            page = int(order[used])
+            used += 1
+            table[b, p] = page
+            rows = k[start + p * page_size: start + min(n, (p + 1) * page_size)]
+            pages[page, :rows.shape[0]] = rows
+        start += n
+    return pages, table.to(k.device)
+
+
+@cpu_only
+def test_interpreter_paged_keys_give_the_packed_bits():
+    """k and v in shuffled pages through a block table (pages partly filled, garbage in the rest, one
+    sequence without keys): the packed call's bits, forward and backward, with a window and ALiBi; the
+    pages' gradients are the packed keys' gradients in their slots."""
+    lens_q, lens_k = [5, 17, 3], [9, 0, 21]
+    q, k, v, do = _pack(lens_q, lens_k, 4, 2, 16, torch.float16, seed=4)
+    k_pages, table = _paged(k, lens_k, 8, 9, seed=1)
+    v_pages, _ = _paged(v, lens_k, 8, 9, seed=1)
+    options = dict(causal=True, window=(6, 0), alibi_slopes=_slopes(3, 4, 2))
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    o = flashattn.attention_varlen(*leaves, cu_q, cu_k, 17, 21, **options)
+    dq, dk, dv = torch.autograd.grad(o, leaves, do)
+    paged = [x.detach().requires_grad_() for x in (q, k_pages, v_pages)]
+    o_p = flashattn.flash_attn_varlen_func(paged[0], paged[1], paged[2], cu_q, cu_k, 17, 21, causal=True,
+                                           window_size=(6, 0), alibi_slopes=options["alibi_slopes"], block_table=table)
+    dq_p, dk_p, dv_p = torch.autograd.grad(o_p, paged, do)
+    assert torch.equal(o_p, o) and torch.equal(dq_p, dq)
+    slots = torch.cat([table[b, j // 8].long() * 8 + j % 8 for b, n in enumerate(lens_k)
+                       for j in torch.arange(n, device=table.device)[None]]) if sum(lens_k) else None
+    assert torch.equal(dk_p.flatten(0, 1)[slots], dk) and torch.equal(dv_p.flatten(0, 1)[slots], dv)
+    untouched = torch.ones(9 * 8, dtype=torch.bool, device=slots.device)
+    untouched[slots] = False
+    assert (dk_p.flatten(0, 1)[untouched] == 0).all()
+
+
+def test_paged_keys_refuse_a_bad_block_table():
+    q, k, v, _ = _pack([3, 5], [4, 6], 2, 1, 16, torch.float16)
+    pages = k.new_zeros(4, 4, 1, 16)
+    cu_q, cu_k = _cu([3, 5]), _cu([4, 6])
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    for bad, error, match in ((table.long(), TypeError, "int32"), (table[:1], ValueError, "one row per sequence"),
+                              (table[:, :1], ValueError, "fewer than max_seqlen_k"),
+                              (table + 3, ValueError, "outside the cache")):
+        with pytest.raises(error, match=match):
+            flashattn.attention_varlen(q, pages, pages, cu_q, cu_k, 5, 6, block_table=bad)
+    with pytest.raises(ValueError, match="paged cache"):
+        flashattn.attention_varlen(q, k, v, cu_q, cu_k, 5, 6, block_table=table)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,13 +472,17 @@ def _bad_calls():
         (call(cu_q=cu_q[:1], cu_k=cu_k[:1]), ValueError, "cu_seqlens_q must be 1-D with B"),
         (call(max_q=-1), ValueError, "max_seqlen_q must be >= 0"),
         (call(q=q[:, :0]), ValueError, "positive multiple"),
+        (call(opts=dict(window=(-2, 0))), ValueError, "window left must be >= 0"),
+        (call(opts=dict(alibi_slopes=torch.ones(3, 2, device=DEVICE))), ValueError, "(B, Hq) = (2, 2)"),
+        (call(opts=dict(dropout_p=1.0)), ValueError, "dropout_p must be in"),
+        (call(opts=dict(dropout_p=0.1, seed=1, generator=torch.Generator())), ValueError, "either a generator"),
     ] + ([  # on the CPU the values are checked even with validate=False (no sync to save there); on a GPU
         # validate=False skips them by design (the API's promise), so the case is the CPU's alone
         (call(cu_q=i32([0, 3, 7]), opts=dict(validate=False)), ValueError, "must end at the number of rows of q (8)"),
     ] if q.device.type == "cpu" else [])
 
 
-@pytest.mark.parametrize("index", range(18))
+@pytest.mark.parametrize("index", range(22))
 def test_bad_input_raises_a_clear_error(index):
     calls = _bad_calls()
     if index >= len(calls):
@@ -381,6 +547,19 @@ def test_gpu_matches_float64(d, h_q, h_kv, causal, dtype):
     lens_k = [max(0, n + delta) for n, delta in zip(lens_q, [0, 37, -50, 0, 300, -1] * len(lens_q))]
     lens_q[1] = 0  # an empty query side
     _check(lens_q, lens_k, h_q, h_kv, d, causal, dtype, layout="strided" if d == 72 else "contiguous")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("d,h_q,h_kv", [(128, 8, 2), (64, 4, 4)], ids=["D128-gqa4", "D64-mha"])
+@pytest.mark.parametrize("name,causal,options", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
+def test_gpu_variants_match_float64(name, causal, options, d, h_q, h_kv):
+    lens_q = _lengths(3000, 1, 900, seed=d)
+    lens_k = [max(0, n + delta) for n, delta in zip(lens_q, [0, 37, -50, 0, 300, -1] * len(lens_q))]
+    lens_q[1] = 0
+    options = {k: (v * 40 if k == "window" and None not in v else v) for k, v in options.items()}  # wider windows
+    _check(lens_q, lens_k, h_q, h_kv, d, causal, torch.bfloat16, std=2.0,
+           variants=_variants_of(options, len(lens_q), h_q))
 
 
 @gpu

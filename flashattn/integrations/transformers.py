@@ -14,9 +14,9 @@ name as a kernel to download). The model then hands each layer's attention to fl
   split-KV kernels), with the model's ``sliding_window`` (transformers' window of W keys, the query's
   own included: ``window=(W - 1, 0)``), ``softcap`` and training ``dropout``;
 * a padded batch (a 2-D mask of real tokens): the real tokens are gathered into packed sequences and
-  run through :func:`flashattn.attention_varlen`, never a loop over the sequences; packed batches
-  whose collator passes ``cu_seq_lens_q`` and ``cu_seq_lens_k`` go the same way. Packed sequences take
-  no window, softcap or dropout yet: such a call raises ``NotImplementedError``;
+  run through :func:`flashattn.attention_varlen`, never a loop over the sequences, with the same
+  window, softcap and dropout inside each sequence; packed batches whose collator passes
+  ``cu_seq_lens_q`` and ``cu_seq_lens_k`` go the same way;
 * attention sinks (``s_aux``) are not supported yet and raise ``NotImplementedError``.
 """
 
@@ -34,7 +34,7 @@ def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
 
 
-def _packed(query, key, value, q_mask, k_mask, causal, scale):
+def _packed(query, key, value, q_mask, k_mask, causal, scale, variants):
     """Attention of the real tokens of a padded batch: gathered into packed sequences, run by
     :func:`flashattn.attention_varlen`, and scattered back (padded query rows get zeros)."""
     b, h_q, n, d = query.shape
@@ -47,7 +47,7 @@ def _packed(query, key, value, q_mask, k_mask, causal, scale):
     k = key.transpose(1, 2).reshape(b * m, key.shape[1], d)[k_rows]
     v = value.transpose(1, 2).reshape(b * m, value.shape[1], value.shape[3])[k_rows]
     o = attention_varlen(q, k, v, _cumulative(lengths_q), _cumulative(lengths_k), stats[0], stats[1],
-                         causal=causal, scale=scale, validate=False)
+                         causal=causal, scale=scale, validate=False, **variants)
     out = o.new_zeros(b * n, h_q, o.shape[-1])
     out[q_rows] = o
     return out.view(b, n, h_q, -1)
@@ -68,15 +68,12 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
         window = (int(sliding_window) - 1, 0 if causal else int(sliding_window) - 1)
     softcap = float(softcap) if softcap else None
     dropout = float(dropout or 0.0)
+    variants = dict(window=window, softcap=softcap, dropout_p=dropout)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    packed = attention_mask is not None or cu_q is not None
-    if packed and (window is not None or softcap is not None or dropout):
-        raise NotImplementedError("flashattn's packed sequences take no sliding window, softcap or dropout yet: "
-                                  "run this batch without padding, or with another attention implementation")
     if cu_q is not None:  # a packed batch from a flattening collator: (1, H, total, D)
         o = attention_varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                              cu_q.to(torch.int32), cu_k.to(torch.int32), int(kwargs["max_length_q"]),
-                             int(kwargs["max_length_k"]), causal=causal, scale=scaling, validate=False)
+                             int(kwargs["max_length_k"]), causal=causal, scale=scaling, validate=False, **variants)
         return o.unsqueeze(0), None
     if attention_mask is not None:
         if attention_mask.dim() != 2:
@@ -84,9 +81,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
                              f"registers the function that makes it), got a mask of shape {tuple(attention_mask.shape)}")
         mask = attention_mask.bool()
         n, m = query.shape[2], key.shape[2]
-        return _packed(query, key, value, mask[:, -n:], mask[:, -m:], causal, scaling), None
-    o = _dense_attention(query, key, value, causal=causal, scale=scaling, window=window, softcap=softcap,
-                         dropout_p=dropout)
+        return _packed(query, key, value, mask[:, -n:], mask[:, -m:], causal, scaling, variants), None
+    o = _dense_attention(query, key, value, causal=causal, scale=scaling, **variants)
     return o.transpose(1, 2), None
 
 
