@@ -153,6 +153,19 @@ def check_variants(q, batch: int, heads_q: int, window, softcap, alibi_slopes, d
     return window, softcap
 
 
+def check_sinks(q, heads_q: int, sinks) -> None:
+    """Attention sinks: None, or a floating-point (Hq,) tensor of per-head logits on q's device."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating-point torch.Tensor (Hq,) or None, got "
+                        f"{sinks.dtype if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
+    if tuple(sinks.shape) != (heads_q,):
+        raise ValueError(f"sinks must have shape (Hq,) = ({heads_q},), got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
+
+
 def check_dropout_source(generator, seed) -> None:
     """The dropout seed's source, which changes from call to call: a generator, a seed, or neither."""
     if generator is not None and not isinstance(generator, torch.Generator):
@@ -250,8 +263,8 @@ def dropout_seed(dropout_p, generator, seed) -> int:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, scale: float | None = None,
               return_lse: bool = False, window: tuple[int | None, int | None] | None = None,
               softcap: float | None = None, alibi_slopes: torch.Tensor | None = None, dropout_p: float = 0,
-              generator: torch.Generator | None = None,
-              seed: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              generator: torch.Generator | None = None, seed: int | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention, FlashAttention style: O(N) extra memory, exact result.
 
     Args:
@@ -287,6 +300,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             draw from another generator while autograd runs a backward raises ``RuntimeError``.
         seed: the dropout seed itself, an int in [0, 2**62); excludes ``generator``. Under
             ``torch.compile``, dropout needs an explicit ``seed``.
+        sinks: attention sinks (gpt-oss): a floating-point tensor (Hq,) of per-head logits. Each joins
+            every row's softmax denominator as one more score with no value, so the keys' weights sum
+            to less than 1; the LSE counts it (a row with no key gets o = 0, LSE = the sink). It
+            receives a gradient; composes with every other option.
 
     Returns:
         ``o`` of the shape and dtype of ``q``, or ``(o, lse)`` when ``return_lse`` is set. Empty
@@ -319,9 +336,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         # No dropout reaches the operator as the constant 0.0. Dynamo makes any other float it reads
         # (dropout_p's default included) a graph input, a tensor built from it on every call.
         dropout_p = float(dropout_p) if dropout_p != 0 else 0.0
+        check_sinks(q, q.shape[1], sinks)
         o, lse = torch.ops.flashattn.attention_forward(
             q, k, v, causal, scale, -1 if left is None else left, -1 if right is None else right, softcap,
-            alibi_slopes, dropout_p, int(seed) if dropout_p > 0 else 0)
+            alibi_slopes, dropout_p, int(seed) if dropout_p > 0 else 0, sinks=sinks)
     else:
         # Eager calls skip the operator dispatcher (tens of microseconds of a short call) and run the
         # same backends through an autograd.Function, or, when no gradient can flow (inference,
@@ -332,7 +350,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         if alibi_slopes is not None:
             alibi_slopes = alibi_slopes.detach().contiguous()
         args = (q, k, v, problem, use_kernels(q), alibi_slopes, dropout_seed(problem.dropout_p, generator, seed))
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if sinks is not None:
+            check_sinks(q, problem.heads_q, sinks)
+            args += (None, None, sinks)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (sinks is not None and sinks.requires_grad)):
             o, lse = attention_apply(*args)
         else:
             o, lse = AttentionFunction.run_forward(*args)

@@ -139,6 +139,46 @@ def _varlen_reference_backward(do, q, k, v, o, lse, problem: Problem, dlse, pack
     return dq, dk, dv
 
 
+# --8<-- [start:sinks]
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """float32, or float64 for float64 inputs: the precision the sink arithmetic runs in."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _row_shape(sinks: torch.Tensor, packed: bool) -> torch.Tensor:
+    """The sinks (Hq,) shaped to broadcast against lse: (1, Hq, 1) dense, (Hq, 1) packed."""
+    return sinks.view(-1, 1) if packed else sinks.view(1, -1, 1)
+
+
+def with_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, packed: bool):
+    """The attention with sinks from the attention without them: a sink logit s_h joins the softmax
+    denominator of every row of head h (it has no value), so the output shrinks by
+    l / (l + e^s) = exp(lse - lse') and the log-sum-exp becomes lse' = log(e^lse + e^s). A row that saw
+    no key (o = 0, lse = -inf) keeps o = 0 and gets lse' = s. ``o`` is (B, Hq, N, D) dense or
+    (total, Hq, D) packed, lse (B, Hq, N) or (Hq, total) (docs/math/sinks.md)."""
+    lse_w = _wide(lse)
+    lse_sink = torch.logaddexp(lse_w, _row_shape(sinks.to(lse_w.dtype), packed))
+    shrink = torch.exp(lse_w - lse_sink)  # in [0, 1]: the share of the row's mass its keys keep
+    shrink = shrink.transpose(0, 1)[..., None] if packed else shrink[..., None]
+    return (_wide(o) * shrink.to(_wide(o).dtype)).to(o.dtype), lse_sink.to(lse.dtype)
+
+
+def sinks_grad(do, o, lse, dlse, sinks: torch.Tensor, packed: bool) -> torch.Tensor:
+    """dL/ds_h = sum over the rows of head h of P_sink * (dLSE - rowsum(dO * O)), with o and lse the
+    outputs with sinks and P_sink = exp(s_h - lse) the sink's probability. (The keys' gradients need
+    nothing new: the backward kernels recompute P from the final lse and use the final o's delta.)"""
+    delta = (_wide(do) * _wide(o)).sum(-1)  # (B, Hq, N) dense, (total, Hq) packed
+    if packed:
+        delta = delta.transpose(0, 1)  # (Hq, total), lse's layout
+    lse_w = _wide(lse)
+    if dlse is not None:
+        delta = delta - dlse.to(delta.dtype)
+    p_sink = torch.exp(_row_shape(sinks.to(lse_w.dtype), packed) - lse_w)
+    dims = (1,) if packed else (0, 2)
+    return -(p_sink * delta.to(lse_w.dtype)).sum(dims).to(sinks.dtype)
+# --8<-- [end:sinks]
+
+
 def backend(use_kernels: bool):
     """``(forward, backward)`` of the Triton kernels, or of the PyTorch tile-by-tile reference.
 
@@ -189,9 +229,10 @@ def not_twice(grads: tuple, *sources) -> tuple:
 
 class AttentionFunction(torch.autograd.Function):
     """``apply(q, k, v, problem, use_kernels, alibi_slopes=None, seed=0, cu_seqlens_q=None,
-    cu_seqlens_k=None) -> (o, lse)``, differentiable in q, k, v through both outputs (the ALiBi slopes
-    get no gradient), for every layout of :class:`Problem`: dense, or packed sequences with their
-    cumulative lengths.
+    cu_seqlens_k=None, sinks=None) -> (o, lse)``, differentiable in q, k, v and the sinks through both
+    outputs (the ALiBi slopes get no gradient), for every layout of :class:`Problem`: dense, or packed
+    sequences with their cumulative lengths. Sinks (``problem.sinks``) join the softmax after the
+    backend's forward (:func:`with_sinks`).
 
     ``use_kernels`` picks the Triton kernels (GPU, or CPU under ``TRITON_INTERPRET=1``) or the
     reference, whose backward is the explicit online backward, not autograd through its loops. The
@@ -204,21 +245,24 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def run_forward(q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=None, seed: int = 0,
-                    cu_seqlens_q=None, cu_seqlens_k=None):
+                    cu_seqlens_q=None, cu_seqlens_k=None, sinks=None):
         """The forward pass alone, ``(o, lse)``, for calls that need no gradient: the same backend
         :meth:`forward` runs, without the autograd bookkeeping."""
         packing = None if cu_seqlens_q is None else (cu_seqlens_q, cu_seqlens_k)
-        return backend(use_kernels)[0](q, k, v, problem, alibi_slopes, seed, packing)
+        o, lse = backend(use_kernels)[0](q, k, v, problem, alibi_slopes, seed, packing)
+        if sinks is not None:
+            o, lse = with_sinks(o, lse, sinks, problem.varlen)
+        return o, lse
 
     @staticmethod
     def forward(ctx, q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=None, seed: int = 0,
-                cu_seqlens_q=None, cu_seqlens_k=None):
+                cu_seqlens_q=None, cu_seqlens_k=None, sinks=None):
         o, lse = AttentionFunction.run_forward(q, k, v, problem, use_kernels, alibi_slopes, seed, cu_seqlens_q,
-                                               cu_seqlens_k)
-        if alibi_slopes is None and cu_seqlens_q is None:  # the plain call saves no None: a short call feels each
+                                               cu_seqlens_k, sinks)
+        if alibi_slopes is None and cu_seqlens_q is None and sinks is None:  # a short call feels each saved None
             ctx.save_for_backward(q, k, v, o, lse)
         else:
-            ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+            ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, sinks)
         # one attribute, not four: a short call feels each; the tuning because the backward may run
         # on another thread
         ctx.call = (problem, use_kernels, seed, _config.current_tuning())
@@ -229,7 +273,7 @@ class AttentionFunction(torch.autograd.Function):
     def backward(ctx, do, dlse):
         problem, use_kernels, seed, tuning = ctx.call
         q, k, v, o, lse, *extras = ctx.saved_tensors
-        alibi_slopes, cu_q, cu_k = extras if extras else (None, None, None)
+        alibi_slopes, cu_q, cu_k, sinks = extras if extras else (None, None, None, None)
         if do is None:  # only the LSE was used
             do = torch.zeros_like(o)
         with _config.tuning_of(tuning):
@@ -237,7 +281,10 @@ class AttentionFunction(torch.autograd.Function):
                                             None if cu_q is None else (cu_q, cu_k))
         if use_kernels:
             grads = not_twice(grads, do, dlse, q, k, v)
-        return *grads, None, None, None, None, None, None
+        d_sinks = None
+        if sinks is not None and ctx.needs_input_grad[9]:
+            d_sinks = sinks_grad(do, o, lse, dlse, sinks, problem.varlen)
+        return *grads, None, None, None, None, None, None, d_sinks
 
 
 _functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
@@ -246,7 +293,7 @@ _base_apply = super(torch.autograd.Function, AttentionFunction).apply  # the C++
 
 
 def attention_apply(q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=None, seed: int = 0,
-                    cu_seqlens_q=None, cu_seqlens_k=None):
+                    cu_seqlens_q=None, cu_seqlens_k=None, sinks=None):
     """``AttentionFunction.apply`` without its Python wrapper where that wrapper would do nothing.
 
     ``torch.autograd.Function.apply`` first unwraps leftover functorch wrappers from its arguments
@@ -254,9 +301,10 @@ def attention_apply(q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=N
     with neither, it calls the C++ ``apply`` it inherits. This calls that one directly when no
     transform is active and no input is a functorch wrapper, and the wrapper otherwise: a short call
     feels the microseconds of the walk."""
-    args = (q, k, v, problem, use_kernels, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k)
+    args = (q, k, v, problem, use_kernels, alibi_slopes, seed, cu_seqlens_q, cu_seqlens_k, sinks)
     if (_functorch_wrapped is None or _functorch_active is None or _functorch_active()
             or _functorch_wrapped(q) or _functorch_wrapped(k) or _functorch_wrapped(v)
-            or (alibi_slopes is not None and _functorch_wrapped(alibi_slopes))):
+            or (alibi_slopes is not None and _functorch_wrapped(alibi_slopes))
+            or (sinks is not None and _functorch_wrapped(sinks))):
         return AttentionFunction.apply(*args)
     return _base_apply(*args)

@@ -169,20 +169,11 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     ``k``, ``v`` are appended in place at ``cache_seqlens``; ``cache_seqlens`` None means every
     sequence holds the whole (contiguous) cache, with nothing to append; ``num_splits`` 0 lets
-    flashattn choose. Options
-    flashattn does not implement yet (rotary embedding, ``cache_batch_idx``, ``cache_leftpad``, a
-    window, ``softcap``, ``alibi_slopes``) raise ``NotImplementedError``. Returns ``out``
-    (B, Nq, Hq, D), or ``(out, softmax_lse)`` with the LSE (B, Hq, Nq).
+    flashattn choose. Rotary embedding, ``cache_batch_idx``, ``cache_leftpad``, ``window_size``,
+    ``softcap`` and ``alibi_slopes`` mean what they mean in flash_attn
+    (:func:`flashattn.attention_with_kvcache` says how each is applied). Returns ``out`` (B, Nq, Hq, D),
+    or ``(out, softmax_lse)`` with the LSE (B, Hq, Nq).
     """
-    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
-                        ("cache_leftpad", cache_leftpad), ("alibi_slopes", alibi_slopes)):
-        if value is not None:
-            raise NotImplementedError(f"{name} must be None: flashattn's KV-cache path does not take it yet")
-    if _window(window_size) != (None, None):
-        raise NotImplementedError(f"window_size must be (-1, -1): no sliding window on the KV cache yet, "
-                                  f"got {tuple(window_size)}")
-    if softcap != 0:
-        raise NotImplementedError(f"softcap must be 0: no softcapping on the KV cache yet, got {softcap}")
     if not is_int(num_splits) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: chosen by flashattn), got {num_splits!r}")
     if cache_seqlens is None:
@@ -192,4 +183,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         cache_seqlens = k_cache.shape[1]  # every sequence holds the whole cache
     return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k, v_new=v,
                                   causal=causal, scale=softmax_scale, block_table=block_table,
-                                  num_splits=num_splits or None, return_lse=return_softmax_lse)
+                                  num_splits=num_splits or None, return_lse=return_softmax_lse,
+                                  window=_window(window_size), softcap=softcap, alibi_slopes=alibi_slopes,
+                                  rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                                  cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx)

@@ -2,9 +2,9 @@
 
 ``torch.ops.flashattn.attention_forward(q, k, v, causal, scale, window_left=-1, window_right=-1,
 softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=0, cu_seqlens_q=None, cu_seqlens_k=None,
-max_seqlen_q=0, max_seqlen_k=0) -> (o, lse)`` and
+max_seqlen_q=0, max_seqlen_k=0, sinks=None) -> (o, lse)`` and
 ``torch.ops.flashattn.attention_backward(do, q, k, v, o, lse, dlse, causal, scale, <the same options>)
--> (dq, dk, dv)`` are registered with :mod:`torch.library`, one pair for every layout of
+-> (dq, dk, dv, dsinks)`` (``dsinks`` empty without sinks) are registered with :mod:`torch.library`, one pair for every layout of
 :class:`flashattn.problem.Problem`: dense (B, H, N, D) tensors, or packed sequences (total, H, D) when
 ``cu_seqlens_q`` and ``cu_seqlens_k`` are given, with the same variants on either.
 
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from flashattn._memo import remember, table
-from flashattn.autograd import backend, use_kernels
+from flashattn.autograd import backend, sinks_grad, use_kernels, with_sinks
 from flashattn.problem import Problem, dense_like, in_layout
 
 
@@ -68,16 +68,18 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
                       window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
                       dropout_p: float = 0.0, seed: int = 0, cu_seqlens_q: Tensor | None = None,
                       cu_seqlens_k: Tensor | None = None, max_seqlen_q: int = 0,
-                      max_seqlen_k: int = 0) -> tuple[Tensor, Tensor]:
+                      max_seqlen_k: int = 0, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     problem = _problem(q, k, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
                        cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     o, lse = backend(use_kernels(q))[0](q, k, v, problem, alibi_slopes, seed, _packing(cu_seqlens_q, cu_seqlens_k))
+    if sinks is not None:
+        o, lse = with_sinks(o, lse, sinks, problem.varlen)
     return in_layout(o, q), lse
 
 
 @attention_forward.register_fake
 def _(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-      seed=0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+      seed=0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, sinks=None):
     if cu_seqlens_q is not None:  # packed: lse is (Hq, total_q)
         return dense_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
     b, h_q, n, _ = q.shape
@@ -90,23 +92,24 @@ def attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, l
                        window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
                        dropout_p: float = 0.0, seed: int = 0, cu_seqlens_q: Tensor | None = None,
                        cu_seqlens_k: Tensor | None = None, max_seqlen_q: int = 0,
-                       max_seqlen_k: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+                       max_seqlen_k: int = 0, sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     problem = _problem(q, k, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
                        cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = backend(use_kernels(q))[1](do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed,
                                             _packing(cu_seqlens_q, cu_seqlens_k))
-    return in_layout(dq, q), in_layout(dk, k), in_layout(dv, v)
+    d_sinks = q.new_empty(0) if sinks is None else sinks_grad(do, o, lse, dlse, sinks, problem.varlen)
+    return in_layout(dq, q), in_layout(dk, k), in_layout(dv, v), d_sinks
 
 
 @attention_backward.register_fake
 def _(do, q, k, v, o, lse, dlse, causal, scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-      dropout_p=0.0, seed=0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
-    return dense_like(q), dense_like(k), dense_like(v)
+      dropout_p=0.0, seed=0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, sinks=None):
+    return dense_like(q), dense_like(k), dense_like(v), q.new_empty(0) if sinks is None else torch.empty_like(sinks)
 
 
 _OPTIONS = ("window_left", "window_right", "softcap", "alibi_slopes", "dropout_p", "seed", "cu_seqlens_q",
-            "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
-_TENSOR_OPTIONS = ("alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")
+            "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "sinks")
+_TENSOR_OPTIONS = ("alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "sinks")
 
 
 def _setup_context(ctx, inputs, output):
@@ -121,9 +124,13 @@ def _backward(ctx, do, dlse):
     q, k, v, o, lse, *tensor_options = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = torch.ops.flashattn.attention_backward(do, q, k, v, o, lse, dlse, ctx.causal, ctx.scale,
-                                                        **dict(zip(_TENSOR_OPTIONS, tensor_options)), **ctx.options)
-    return dq, dk, dv, *(None,) * (2 + len(_OPTIONS))
+    tensor_options = dict(zip(_TENSOR_OPTIONS, tensor_options))
+    dq, dk, dv, d_sinks = torch.ops.flashattn.attention_backward(do, q, k, v, o, lse, dlse, ctx.causal, ctx.scale,
+                                                                 **tensor_options, **ctx.options)
+    grads = [dq, dk, dv, *(None,) * (2 + len(_OPTIONS))]
+    if tensor_options["sinks"] is not None:
+        grads[-1] = d_sinks  # sinks is the operator's last input
+    return tuple(grads)
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -20,9 +20,11 @@ from __future__ import annotations
 import torch
 
 from flashattn import reference
-from flashattn.api import check_dtype_for_device, check_flag, check_scale, is_int
-from flashattn.autograd import launchers, use_kernels
+from flashattn.api import check_dtype_for_device, check_flag, check_scale, check_sinks, check_variants, is_int
+from flashattn.autograd import launchers, use_kernels, with_sinks
 from flashattn.problem import Problem
+from flashattn.rotary import apply_rotary
+from flashattn.varlen import attention_varlen
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
@@ -35,7 +37,7 @@ def _check_tensor(name, x, dims, layout):
 
 
 def _validate(q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal, scale, block_table, num_splits,
-              return_lse) -> Problem:
+              return_lse, cache_batch_idx=None) -> Problem:
     _check_tensor("q", q, 4, "(B, Nq, Hq, D)")
     paged = block_table is not None
     cache_layout = "(num_pages, page_size, Hkv, D)" if paged else "(B, Mmax, Hkv, D)"
@@ -78,7 +80,7 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal, scale, b
             raise ValueError(f"a paged k_cache needs at least one page of at least one slot, got {tuple(k_cache.shape)}")
         capacity = block_table.shape[1] * page_size
     else:
-        if k_cache.shape[0] != batch:
+        if k_cache.shape[0] != batch and cache_batch_idx is None:
             raise ValueError(f"k_cache and v_cache must have the batch size of q ({batch}), got {k_cache.shape[0]} "
                              "(a paged cache needs block_table)")
         page_size, capacity = 0, k_cache.shape[1]
@@ -130,7 +132,8 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal, scale, b
     return Problem.cache(q, k_cache, capacity, causal, scale, page_size=page_size, n_new=n_new)
 
 
-def _check_lengths(seq_lens: torch.Tensor, block_table, p: Problem, num_pages: int):
+def _check_lengths(seq_lens: torch.Tensor, block_table, p: Problem, num_pages: int, cache_leftpad=None,
+                   cache_batch_idx=None, entries: int = 0):
     """The checks that need the lengths' values: one small reduction and one device sync.
 
     Skipped while a CUDA graph is being captured (a sync is not allowed there); a graph's inputs
@@ -143,7 +146,13 @@ def _check_lengths(seq_lens: torch.Tensor, block_table, p: Problem, num_pages: i
     if block_table is not None:
         used = torch.arange(block_table.shape[1], device=seq_lens.device)[None, :] * p.page_size < lengths[:, None]
         stats.append((((block_table < 0) | (block_table >= num_pages)) & used).sum())
-    values = torch.stack(stats).tolist()
+    else:
+        stats.append(seq_lens.new_zeros(()))
+    stats.append(((cache_leftpad < 0) | (cache_leftpad > seq_lens)).sum() if cache_leftpad is not None
+                 else seq_lens.new_zeros(()))
+    stats.append(((cache_batch_idx < 0) | (cache_batch_idx >= entries)).sum() if cache_batch_idx is not None
+                 else seq_lens.new_zeros(()))
+    values = torch.stack([x.long() for x in stats]).tolist()
     if values[0] < 0:
         raise ValueError(f"cache_seqlens must be non-negative, got a minimum of {values[0]}")
     if values[1] > p.m:
@@ -151,10 +160,14 @@ def _check_lengths(seq_lens: torch.Tensor, block_table, p: Problem, num_pages: i
                          f"({p.m} keys{' = max_pages * page_size' if block_table is not None else ' = Mmax'})")
     if block_table is not None and values[2]:
         raise ValueError(f"block_table has {values[2]} entries outside [0, {num_pages}) among the pages the sequences use")
+    if values[3]:
+        raise ValueError("cache_leftpad must lie in [0, cache_seqlens[b]] for every sequence")
+    if values[4]:
+        raise ValueError(f"cache_batch_idx must lie in [0, {entries}), the cache's entries")
 
 
 # --8<-- [start:decode-append]
-def _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table):
+def _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table, cache_batch_idx=None):
     """Write k_new[b, t], v_new[b, t] at position seq_lens[b] + t of sequence b, in place: the append
     of the PyTorch path (CPU tensors outside the interpreter; the kernels' path has a kernel for it).
 
@@ -164,7 +177,8 @@ def _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table):
     batch, n_new = k_new.shape[:2]
     pos = seq_lens.long()[:, None] + torch.arange(n_new, device=seq_lens.device)  # (B, Nnew)
     if block_table is None:
-        index = (torch.arange(batch, device=seq_lens.device)[:, None].expand(batch, n_new), pos)
+        entry = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch, device=seq_lens.device)
+        index = (entry[:, None].expand(batch, n_new), pos)
     else:
         page_size = k_cache.shape[1]
         index = (block_table.long().gather(1, pos // page_size), pos % page_size)
@@ -173,11 +187,97 @@ def _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table):
 # --8<-- [end:decode-append]
 
 
+def _check_index(name, x, batch, device):
+    if x is None:
+        return
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or tuple(x.shape) != (batch,):
+        raise TypeError(f"{name} must be an int32 tensor of shape (B,) = ({batch},)")
+    if x.device != device:
+        raise ValueError(f"{name} must be on the device of q ({device}), got {x.device}")
+
+
+def _validate_extras(q, k_cache, k_new, block_table, window, softcap, alibi_slopes, sinks, rotary_cos, rotary_sin,
+                     rotary_interleaved, cache_leftpad, cache_batch_idx):
+    """The options beyond the split-KV kernels' own: variants, sinks, rotary, left padding, batch index."""
+    batch, _, h_q, d = q.shape
+    window, softcap = check_variants(q, batch, h_q, window, softcap, alibi_slopes, 0.0)
+    if window == (None, None):  # unbounded on both sides: no window
+        window = None
+    check_sinks(q, h_q, sinks)
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together (both or neither)")
+    if rotary_cos is not None:
+        for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
+                raise TypeError(f"{name} must be a 2-D floating-point tensor (seqlen_ro, rotary_dim / 2)")
+            if x.device != q.device:
+                raise ValueError(f"{name} must be on the device of q ({q.device}), got {x.device}")
+        if rotary_cos.shape != rotary_sin.shape:
+            raise ValueError(f"rotary_cos and rotary_sin must have one shape, got {tuple(rotary_cos.shape)} and "
+                             f"{tuple(rotary_sin.shape)}")
+        if not 0 < 2 * rotary_cos.shape[1] <= d:
+            raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] must be in (0, D = {d}], got {2 * rotary_cos.shape[1]}")
+    check_flag("rotary_interleaved", rotary_interleaved)
+    _check_index("cache_leftpad", cache_leftpad, batch, q.device)
+    _check_index("cache_batch_idx", cache_batch_idx, batch, q.device)
+    if block_table is not None and (cache_leftpad is not None or cache_batch_idx is not None):
+        raise ValueError("cache_leftpad and cache_batch_idx index a (B, Mmax, Hkv, D) cache: not with a block_table")
+    return window, softcap
+
+
+def _positions(start: torch.Tensor, n: int, same: bool) -> torch.Tensor:
+    """(B, n) rotary positions: start[b] + t, or start[b] for every t when ``same``."""
+    steps = torch.zeros(n, dtype=torch.long, device=start.device) if same else torch.arange(n, device=start.device)
+    return start.long()[:, None] + steps
+
+
+# --8<-- [start:decode-general]
+def _attend_gathered(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, p: Problem, variants: dict,
+                     cache_leftpad, cache_batch_idx):
+    """The KV-cache call with options the split-KV kernels lack (a window, softcap, ALiBi, left padding,
+    a batch index): append, then gather each sequence's keys (rows ``cache_leftpad[b] .. L_b`` of its
+    cache entry or pages) into packed k, v and run the packed-sequence kernels
+    (:func:`flashattn.attention_varlen`) with q as B sequences of Nq rows. One copy of the keys used and
+    one host sync for the totals; ``(o (B, Nq, Hq, D), lse (B, Hq, Nq))``."""
+    batch, n_q, h_q, d = q.shape
+    device = q.device
+    if p.n_new:
+        _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table, cache_batch_idx)
+    ends = seq_lens.long() + p.n_new
+    starts = cache_leftpad.long() if cache_leftpad is not None else torch.zeros_like(ends)
+    counts = ends - starts
+    cu_k = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0))
+    total, longest, shortest = torch.stack([cu_k[-1], counts.max(), counts.min()]).tolist()
+    if shortest < 0:
+        raise ValueError("cache_leftpad must not exceed cache_seqlens + Nnew")
+    key = torch.arange(total, device=device)
+    seq = torch.searchsorted(cu_k[1:], key, right=True)  # the sequence of each packed key
+    j = key - cu_k[seq] + starts[seq]  # its position in the sequence's cache entry
+    if block_table is not None:
+        page_size = k_cache.shape[1]
+        rows = block_table[seq, j // page_size].long() * page_size + j % page_size
+    else:
+        entry = cache_batch_idx.long()[seq] if cache_batch_idx is not None else seq
+        rows = entry * k_cache.shape[1] + j
+    k = k_cache.flatten(0, 1).index_select(0, rows)
+    v = v_cache.flatten(0, 1).index_select(0, rows)
+    cu_q = torch.arange(0, (batch + 1) * n_q, n_q, dtype=torch.int32, device=device)
+    o, lse = attention_varlen(q.reshape(batch * n_q, h_q, d), k, v, cu_q, cu_k.to(torch.int32), n_q, int(longest),
+                              causal=p.causal, scale=p.scale, return_lse=True, validate=False, **variants)
+    return o.view(batch, n_q, h_q, d), lse.view(h_q, batch, n_q).transpose(0, 1)
+# --8<-- [end:decode-general]
+
+
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                            cache_seqlens: torch.Tensor | int, k_new: torch.Tensor | None = None,
                            v_new: torch.Tensor | None = None, causal: bool = True, scale: float | None = None,
                            block_table: torch.Tensor | None = None, num_splits: int | None = None,
-                           return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                           return_lse: bool = False, window: tuple[int | None, int | None] | None = None,
+                           softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+                           sinks: torch.Tensor | None = None, rotary_cos: torch.Tensor | None = None,
+                           rotary_sin: torch.Tensor | None = None, rotary_interleaved: bool = False,
+                           cache_leftpad: torch.Tensor | None = None,
+                           cache_batch_idx: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few new queries against a KV cache, appending new keys first. Forward only.
 
     Args:
@@ -196,6 +296,21 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             the SM count when None.
         return_lse: also return the natural-log log-sum-exp, float32 (float64 for float64 inputs), shape
             (B, Hq, Nq).
+        window: as in :func:`flashattn.attention`, within each sequence's ``L_b`` keys (bottom-right:
+            the window ends on query i's key ``i + L_b - Nq``).
+        softcap: as in :func:`flashattn.attention`.
+        alibi_slopes: as in :func:`flashattn.attention`, distances within each sequence.
+        sinks: per-head sink logits (Hq,), as in :func:`flashattn.attention`.
+        rotary_cos: (seqlen_ro, R / 2) cosines (:mod:`flashattn.rotary`): the first R dims of k_new are
+            rotated at positions ``cache_seqlens[b] - cache_leftpad[b] + t`` before they are appended,
+            and q's at the same positions when causal or windowed, else all at
+            ``cache_seqlens[b] - cache_leftpad[b]`` (flash_attn's convention).
+        rotary_sin: the sines that go with ``rotary_cos``.
+        rotary_interleaved: rotate pairs (2i, 2i + 1) instead of (i, i + R/2).
+        cache_leftpad: (B,) int32: sequence b's keys start at row ``cache_leftpad[b]`` of its cache
+            entry (rows before it are padding). Not with a block table.
+        cache_batch_idx: (B,) int32: sequence b reads and appends to cache entry ``cache_batch_idx[b]``
+            (the cache may hold more entries than B). Not with a block table.
 
     Returns:
         ``o`` (B, Nq, Hq, D) in q's dtype, or ``(o, lse)``. A query that sees no key (an empty
@@ -210,7 +325,32 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``TRITON_INTERPRET=1`` (float16 and bfloat16).
     """
     p = _validate(q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal, scale, block_table, num_splits,
-                  return_lse)
+                  return_lse, cache_batch_idx)
+    window, softcap = _validate_extras(q, k_cache, k_new, block_table, window, softcap, alibi_slopes, sinks,
+                                       rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad, cache_batch_idx)
+    general = (window is not None or softcap or alibi_slopes is not None or cache_leftpad is not None
+               or cache_batch_idx is not None)
+    if rotary_cos is not None or general:
+        seq_lens = (torch.full((p.batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
+                    if is_int(cache_seqlens) else cache_seqlens)
+        _check_lengths(seq_lens, block_table, p, k_cache.shape[0], cache_leftpad, cache_batch_idx,
+                       k_cache.shape[0] if block_table is None else 0)
+        if rotary_cos is not None:
+            start = seq_lens - cache_leftpad if cache_leftpad is not None else seq_lens
+            same = not (causal or window is not None)
+            q = apply_rotary(q, rotary_cos, rotary_sin, _positions(start, p.n, same), rotary_interleaved)
+            if k_new is not None:
+                k_new = apply_rotary(k_new, rotary_cos, rotary_sin, _positions(start, p.n_new, False),
+                                     rotary_interleaved)
+        if general:
+            variants = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+            o, lse = _attend_gathered(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, p, variants,
+                                      cache_leftpad, cache_batch_idx)
+            if sinks is not None:
+                o_t, lse = with_sinks(o.transpose(1, 2), lse, sinks, packed=False)
+                o = o_t.transpose(1, 2)
+            return (o, lse) if return_lse else o
+        cache_seqlens = seq_lens
     if num_splits is not None:
         num_splits = int(num_splits)  # an integral type of numpy's, say: the launchers take Python ints
     kernels = use_kernels(q)
@@ -241,4 +381,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             q.to(acc), k_cache.to(acc), v_cache.to(acc), lengths, causal=p.causal, scale=p.scale,
             block_table=block_table)
         o = o.to(q.dtype)
+    if sinks is not None:
+        o_t, lse = with_sinks(o.transpose(1, 2), lse, sinks, packed=False)
+        o = o_t.transpose(1, 2)
     return (o, lse) if return_lse else o

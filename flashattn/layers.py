@@ -16,8 +16,8 @@ LAYERS = (
     ("launchers and kernels", "grids, tiles and launches; the @triton.jit kernels; the one launch layer",
      ("forward", "backward", "decode_kernels", "hopper_fwd", "hopper_bwd", "_config", "tensors", "launch")),
     ("device helpers", "@triton.jit functions the kernels share", ("device_helpers",)),
-    ("description and schedule", "the problem description, the block schedule, constants, memo tables",
-     ("problem", "schedule", "constants", "_memo", "cost", "layers")),
+    ("description and schedule", "the problem description, the block schedule, constants, memo tables, RoPE",
+     ("problem", "schedule", "constants", "_memo", "cost", "layers", "rotary")),
 )
 # beside the layers: module -> the one layer it may import
 BESIDE = {"reference": "description and schedule", "testing": "description and schedule"}

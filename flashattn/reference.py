@@ -38,7 +38,7 @@ def _group(x: torch.Tensor, h_kv: int) -> torch.Tensor:
 
 def naive_attention(q, k, v, causal: bool = False, scale: float | None = None, *, window=None,
                     softcap: float | None = 0.0, alibi_slopes=None, dropout_p: float = 0.0, seed: int | None = None,
-                    dropout_mask=None, batch_offset: int = 0):
+                    dropout_mask=None, batch_offset: int = 0, sinks=None):
     """Attention by the definition: S = scale * Q K^T, P = softmax(S), O = P V.
 
     Returns ``(o, lse)`` with ``lse`` the natural-log log-sum-exp of each row of S, shape (B, Hq, N).
@@ -52,6 +52,8 @@ def naive_attention(q, k, v, causal: bool = False, scale: float | None = None, *
     kernels' Philox mask of ``seed``, :func:`dropout_keep_mask`) and scales the rest by 1 / (1 - p);
     the LSE is that of the scores, before dropout. ``batch_offset`` is the batch index of q's first
     entry for the Philox mask (a packed sequence draws the mask of its index, :func:`varlen_attention`).
+    ``sinks`` (Hq,): one more logit per head in every row's softmax, with no value (attention sinks):
+    it takes probability mass from the keys, and the LSE counts it.
     """
     b, h_q, n, d = q.shape
     h_kv, m = k.shape[1], k.shape[2]
@@ -72,9 +74,15 @@ def naive_attention(q, k, v, causal: bool = False, scale: float | None = None, *
         s = s.masked_fill(~visible, float("-inf"))
     # The pivot only keeps exp in range; it is detached because P does not depend on it.
     row_max = s.amax(dim=-1, keepdim=True).detach()
+    sink = None
+    if sinks is not None:  # (Hq,) -> (1, Hkv, G, 1, 1), in the scores' dtype
+        sink = sinks.to(s.dtype).reshape(1, h_kv, -1, 1, 1)
+        row_max = torch.maximum(row_max, sink.detach())
     pivot = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     e = torch.exp(s - pivot)
     l = e.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        l = l + torch.exp(sink - pivot)  # the sink's share of the denominator; it has no value
     p = e / torch.where(l > 0, l, torch.ones_like(l))  # empty rows: e == 0, so p == 0
     if dropout_p > 0:
         if dropout_mask is None:
@@ -428,7 +436,7 @@ def online_backward(
 # --8<-- [start:varlen-reference]
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, scale: float | None = None, *,
                      window=None, softcap: float | None = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
-                     seed: int | None = None):
+                     seed: int | None = None, sinks=None):
     """Packed sequences by the definition: :func:`naive_attention` on each sequence alone.
 
     q is (total_q, Hq, D) and k, v are (total_k, Hkv, D), the sequences one after the other; sequence
@@ -450,13 +458,14 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, 
         n, m = rows.stop - rows.start, keys.stop - keys.start
         if n == 0:
             continue
-        if m == 0:  # no key at all
+        if m == 0:  # no key at all: o = 0, and the LSE is the sink's (-inf without one)
             o_parts.append(q.new_zeros((n, h_q, d)))
-            lse_parts.append(torch.full((h_q, n), float("-inf"), dtype=_acc_dtype(q), device=q.device))
+            lse_parts.append(torch.full((h_q, n), float("-inf"), dtype=_acc_dtype(q), device=q.device)
+                             if sinks is None else sinks.to(_acc_dtype(q))[:, None].expand(h_q, n))
             continue
         heads = (lambda x: x.transpose(0, 1)[None])  # (L, H, D) -> (1, H, L, D)
         o_i, lse_i = naive_attention(heads(q[rows]), heads(k[keys]), heads(v[keys]), causal=causal, scale=scale,
-                                     **sequence_variants(i, window, softcap, alibi_slopes, dropout_p, seed))
+                                     sinks=sinks, **sequence_variants(i, window, softcap, alibi_slopes, dropout_p, seed))
         o_parts.append(o_i[0].transpose(0, 1))
         lse_parts.append(lse_i[0])
     if not o_parts:
@@ -538,6 +547,47 @@ def kvcache_attention_reference(q, k_cache, v_cache, cache_seqlens, k_new=None, 
 
 
 # --8<-- [start:split-kv-partials]
+def kvcache_options_reference(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, causal=True, scale=None,
+                              *, window=None, softcap=0.0, alibi_slopes=None, sinks=None, rotary_cos=None,
+                              rotary_sin=None, rotary_interleaved=False, cache_leftpad=None, cache_batch_idx=None):
+    """``flash_attn_with_kvcache``'s options by their definitions, one sequence at a time: rotate q and
+    k_new (:func:`flashattn.rotary.apply_rotary`, at ``cache_seqlens - cache_leftpad`` onwards; q all at
+    that position when neither causal nor windowed), append into cache entry ``cache_batch_idx[b]``,
+    then :func:`naive_attention` over rows ``cache_leftpad[b] .. L_b`` with the variants. Non-paged
+    cache; returns ``(o (B, Nq, Hq, D), lse (B, Hq, Nq), k_cache, v_cache)`` (new caches, inputs kept)."""
+    from flashattn.rotary import apply_rotary
+
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    batch, n_q = q.shape[:2]
+    n_new = 0 if k_new is None else k_new.shape[1]
+    outs, lses = [], []
+    for b in range(batch):
+        entry = int(cache_batch_idx[b]) if cache_batch_idx is not None else b
+        pad = int(cache_leftpad[b]) if cache_leftpad is not None else 0
+        length = int(cache_seqlens[b])
+        q_b = q[b:b + 1]
+        k_b = None if k_new is None else k_new[b:b + 1]
+        if rotary_cos is not None:
+            start = length - pad
+            steps = torch.arange(n_q) if (causal or window is not None) else torch.zeros(n_q, dtype=torch.long)
+            q_b = apply_rotary(q_b, rotary_cos, rotary_sin, (start + steps)[None].to(q.device), rotary_interleaved)
+            if k_b is not None:
+                k_b = apply_rotary(k_b, rotary_cos, rotary_sin, (start + torch.arange(n_new))[None].to(q.device),
+                                   rotary_interleaved)
+        if k_b is not None:
+            k_cache[entry, length:length + n_new] = k_b[0]
+            v_cache[entry, length:length + n_new] = v_new[b]
+        keys = slice(pad, length + n_new)
+        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        heads = (lambda x: x.transpose(-3, -2))  # (.., L, H, D) <-> (.., H, L, D)
+        o, lse = naive_attention(heads(q_b), heads(k_cache[entry, keys])[None], heads(v_cache[entry, keys])[None],
+                                 causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=slopes,
+                                 sinks=sinks)
+        outs.append(heads(o))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses), k_cache, v_cache
+
+
 def split_kv_partials(q, k, v, n_splits, block_n, causal=True, scale=None):
     """The partial results of split-KV decoding for one sequence, each over one split's keys.
 

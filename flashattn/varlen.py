@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from flashattn.api import (MAX_HEAD_DIM, MIN_HEAD_DIM, autocast_inputs, check_dropout_source, check_dtype_for_device,
-                           check_flag, check_scale, check_tensors, check_variants, dropout_seed, is_int)
+                           check_flag, check_scale, check_sinks, check_tensors, check_variants, dropout_seed, is_int)
 from flashattn.autograd import AttentionFunction, attention_apply, use_kernels
 from flashattn.problem import Problem
 
@@ -123,7 +123,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      window: tuple[int | None, int | None] | None = None, softcap: float | None = None,
                      alibi_slopes: torch.Tensor | None = None, dropout_p: float = 0,
                      generator: torch.Generator | None = None, seed: int | None = None,
-                     block_table: torch.Tensor | None = None,
+                     block_table: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                      validate: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed sequences of different lengths, with no padding.
 
@@ -144,18 +144,22 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         return_lse: also return the natural-log log-sum-exp of each row, (Hq, total_q), float32 (float64
             for float64 inputs; the layout of ``flash_attn_varlen_func``), differentiable like
             :func:`flashattn.attention`'s.
-        window, softcap: as in :func:`flashattn.attention`, inside each sequence: the window is
-            bottom-right aligned on that sequence's diagonal (``i + M_i - N_i``).
+        window: as in :func:`flashattn.attention`, inside each sequence: bottom-right aligned on that
+            sequence's diagonal (``i + M_i - N_i``).
+        softcap: as in :func:`flashattn.attention`.
         alibi_slopes: float32 (Hq,) or (B, Hq) with one row per sequence; distances are taken inside
             the sequence.
-        dropout_p, generator, seed: as in :func:`flashattn.attention`. Sequence ``i`` draws exactly the
-            mask that batch entry ``i`` of a dense call with the same seed draws (the mask is a function
-            of the seed, the sequence, the head and the sequence-local ``(i, j)``).
+        dropout_p: as in :func:`flashattn.attention`. Sequence ``i`` draws exactly the mask that batch
+            entry ``i`` of a dense call with the same seed draws (the mask is a function of the seed,
+            the sequence, the head and the sequence-local ``(i, j)``).
+        generator: as in :func:`flashattn.attention`.
+        seed: as in :func:`flashattn.attention`.
         block_table: int32 (B, max_pages): k and v are then a paged cache (num_pages, page_size, Hkv, D)
             (prefill against a paged KV cache) and ``cu_seqlens_k`` counts each sequence's keys, key
             ``j`` of sequence ``b`` sitting in slot ``j % page_size`` of page ``block_table[b, j //
             page_size]``. The pages a call uses are gathered into packed k, v first (one copy of them,
             one host sync; gradients flow back to the pages), then attended as above. Eager only.
+        sinks: per-head sink logits (Hq,), as in :func:`flashattn.attention`, in every row of every sequence.
         validate: check the values of cu_seqlens (start 0, non-decreasing, end at the totals, lengths
             at most max_seqlen). On the CPU they are always checked; for CUDA tensors the check costs
             one host sync, so a caller that builds cu_seqlens itself can pass ``validate=False``.
@@ -188,6 +192,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     n_seqs = cu_seqlens_q.shape[0] - 1
     window, softcap = check_variants(q, n_seqs, q.shape[1], window, softcap, alibi_slopes, dropout_p)
     check_dropout_source(generator, seed)
+    check_sinks(q, q.shape[1], sinks)
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.detach().contiguous()
     scale = None if scale is None else float(scale)  # None: 1 / sqrt(D), taken by Problem or the operator
@@ -205,13 +210,14 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         o, lse = torch.ops.flashattn.attention_forward(
             q, k, v, causal, scale, -1 if left is None else left, -1 if right is None else right, softcap,
             alibi_slopes, dropout_p, int(seed) if dropout_p > 0 else 0, cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, sinks=sinks)
     else:
         problem = Problem.packed(q, k, n_seqs, max_seqlen_q, max_seqlen_k, causal, scale, window=window,
                                  softcap=softcap, alibi=alibi_slopes is not None, dropout_p=float(dropout_p))
         args = (q, k, v, problem, use_kernels(q), alibi_slopes, dropout_seed(problem.dropout_p, generator, seed),
-                cu_seqlens_q, cu_seqlens_k)
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                cu_seqlens_q, cu_seqlens_k, sinks)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (sinks is not None and sinks.requires_grad)):
             o, lse = attention_apply(*args)
         else:
             o, lse = AttentionFunction.run_forward(*args)

@@ -97,15 +97,36 @@ def test_flash_attn_with_kvcache_takes_flash_attns_names_and_defaults():
     assert torch.equal(kc, kc2) and torch.equal(kc[0, 10:13], k_new[0])
 
 
+def test_flash_attn_with_kvcache_passes_its_options_through():
+    """rotary_cos/sin (interleaved by default, as upstream), cache_batch_idx, cache_leftpad, window_size
+    (ints or 0-d tensors), softcap and alibi_slopes reach attention_with_kvcache under their own names."""
+    q = _randn(2, 1, 4, 16)
+    k_cache, v_cache = _randn(3, 40, 2, 16, seed=1), _randn(3, 40, 2, 16, seed=2)
+    k_new, v_new = _randn(2, 2, 2, 16, seed=3), _randn(2, 2, 2, 16, seed=4)
+    angles = torch.rand(64, 4, device=DEVICE)
+    lens = torch.tensor([10, 21], dtype=torch.int32, device=DEVICE)
+    common = dict(cache_leftpad=torch.tensor([2, 0], dtype=torch.int32, device=DEVICE),
+                  cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32, device=DEVICE),
+                  alibi_slopes=torch.rand(4, device=DEVICE), softcap=5.0)
+    with torch.no_grad():
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = flashattn.flash_attn_with_kvcache(q, kc, vc, k=k_new, v=v_new, rotary_cos=angles.cos(),
+                                                rotary_sin=angles.sin(), cache_seqlens=lens, causal=True,
+                                                window_size=(torch.tensor(7), -1), **common)
+        kc2, vc2 = k_cache.clone(), v_cache.clone()
+        ref = flashattn.attention_with_kvcache(q, kc2, vc2, cache_seqlens=lens, k_new=k_new, v_new=v_new, causal=True,
+                                               rotary_cos=angles.cos(), rotary_sin=angles.sin(),
+                                               rotary_interleaved=True, window=(7, None), **common)
+    assert torch.equal(out, ref) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert not torch.equal(kc[2, 10:12], k_new[0])  # appended rotated, into entry 2
+
+
 @pytest.mark.parametrize("kw, error", [
-    (dict(rotary_cos=torch.zeros(1)), NotImplementedError),
-    (dict(cache_leftpad=torch.zeros(1)), NotImplementedError),
-    (dict(window_size=(4, 0)), NotImplementedError),
-    (dict(softcap=30.0), NotImplementedError),
     (dict(num_splits=-1), ValueError),
     (dict(k="append"), ValueError),  # keys to append need cache_seqlens
+    (dict(rotary_cos=torch.zeros(1)), ValueError),  # without rotary_sin
 ])
-def test_flash_attn_with_kvcache_refuses_what_it_does_not_implement(kw, error):
+def test_flash_attn_with_kvcache_refuses_bad_options(kw, error):
     q = _randn(1, 1, 2, 16)
     cache = _randn(1, 8, 2, 16, seed=1)
     if kw.get("k") == "append":

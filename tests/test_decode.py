@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import flashattn.autograd
 import flashattn.decode_kernels
 from flashattn import reference, schedule
 from flashattn.decode import attention_with_kvcache
@@ -608,3 +609,100 @@ def test_dense_entry_point_hands_few_queries_to_split_kv(b, h_q, h_kv, n, m, d, 
     low_grads = torch.autograd.grad(naive_attention(q32, k32, v32, causal=causal)[0], (q32, k32, v32), do.float())
     for name, g, r, lp in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
         assert_close_ratio(name, g, r, lp.half(), factor=3.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# flash_attn_with_kvcache's other options: variants, sinks, rotary, left padding, a batch index
+# ----------------------------------------------------------------------------------------------
+
+def _rotary_tables(rows, half, seed):
+    gen = torch.Generator().manual_seed(seed)
+    angles = torch.rand(rows, half, generator=gen, dtype=torch.float64) * 6
+    return angles.cos().float().to(DEVICE), angles.sin().float().to(DEVICE)
+
+
+OPTION_CASES = [  # (name, causal, options); the cache has 5 entries for 3 sequences when batch_idx is used
+    ("window", True, dict(window=(6, 0))),
+    ("window-not-causal", False, dict(window=(4, 3))),
+    ("softcap", False, dict(softcap=2.0)),
+    ("alibi-per-sequence", True, dict(alibi_slopes="rows")),
+    ("sinks", True, dict(sinks=True)),
+    ("rotary-neox", True, dict(rotary=False)),
+    ("rotary-gptj-not-causal", False, dict(rotary=True)),
+    ("leftpad", True, dict(cache_leftpad=[0, 3, 5])),
+    ("everything", True, dict(cache_batch_idx=[4, 0, 2], cache_leftpad=[1, 0, 2], window=(5, 1), sinks=True,
+                              rotary=True, softcap=5.0, alibi_slopes="heads")),
+]
+
+
+def _options(options, h_q, d):
+    kw, i32 = {}, (lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE))
+    for key, value in options.items():
+        if key == "alibi_slopes":
+            kw[key] = torch.rand((3, h_q) if value == "rows" else (h_q,), device=DEVICE)
+        elif key == "sinks":
+            kw[key] = torch.randn(h_q, device=DEVICE)
+        elif key == "rotary":
+            kw["rotary_cos"], kw["rotary_sin"] = _rotary_tables(64, d // 4, seed=1)
+            kw["rotary_interleaved"] = value
+        elif key in ("cache_leftpad", "cache_batch_idx"):
+            kw[key] = i32(value)
+        else:
+            kw[key] = value
+    return kw
+
+
+@pytest.mark.parametrize("name,causal,options", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
+def test_cache_options_match_their_definitions(name, causal, options):
+    """Each option alone and all together against kvcache_options_reference (float64), the in-place
+    append included (float32 CPU: the reference path; fp16 under the interpreter: the kernels)."""
+    dtype = torch.float16 if DEVICE == "cuda" or flashattn.autograd.use_kernels(torch.empty(0, dtype=torch.float16)) \
+        else torch.float32
+    h_q, h_kv, d = 4, 2, 32
+    entries = 5 if "cache_batch_idx" in options else 3
+    torch.manual_seed(0)
+    kw = _options(options, h_q, d)
+    q, k_cache, v_cache, k_new, v_new = _make(3, 2, h_q, h_kv, d, 40, 3, dtype, seed=2)
+    if entries != 3:
+        k_cache, v_cache = (torch.randn(entries, 40, h_kv, d, dtype=dtype, device=DEVICE) for _ in range(2))
+    lengths = torch.tensor([10, 20, 7], dtype=torch.int32, device=DEVICE)
+    ref_kw = {key: (val.double() if isinstance(val, torch.Tensor) and val.is_floating_point() else val)
+              for key, val in kw.items()}
+    ref = reference.kvcache_options_reference(q.double(), k_cache.double(), v_cache.double(), lengths.cpu(),
+                                              k_new.double(), v_new.double(), causal, **ref_kw)
+    low = reference.kvcache_options_reference(q, k_cache, v_cache, lengths.cpu(), k_new, v_new, causal,
+                                              **{key: (val.to(dtype) if key == "sinks" else val) for key, val in kw.items()})
+    with torch.no_grad():
+        o, lse = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, k_new=k_new, v_new=v_new,
+                                        causal=causal, return_lse=True, **kw)
+    assert_close_ratio("o", o, ref[0], low[0])
+    fin = torch.isfinite(ref[1])
+    assert_close_ratio("lse", lse[fin], ref[1][fin], low[1][fin])
+    # the appended (rotated) keys landed where the definition puts them, to the rounding of their dtype
+    torch.testing.assert_close(k_cache.double(), ref[2], rtol=0, atol=2e-3 if dtype != torch.float32 else 1e-6)
+    torch.testing.assert_close(v_cache, low[3], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(cache_leftpad=torch.tensor([0, 9], dtype=torch.int32)), ValueError, "cache_leftpad must lie"),
+    (dict(cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32)), ValueError, "cache_batch_idx must lie"),
+    (dict(cache_batch_idx=torch.tensor([0, 1])), TypeError, "cache_batch_idx must be an int32"),
+    (dict(rotary_cos=torch.zeros(8, 4)), ValueError, "together"),
+    (dict(rotary_cos=torch.zeros(8, 9), rotary_sin=torch.zeros(8, 9)), ValueError, "rotary_dim"),
+    (dict(sinks=torch.zeros(3)), ValueError, "sinks must have shape"),
+    (dict(window=(-1, 0)), ValueError, "window left"),
+])
+def test_bad_cache_options_are_refused(kwargs, error, words):
+    q = torch.zeros(2, 1, 2, 16, device=DEVICE)
+    cache = torch.zeros(2, 8, 2, 16, device=DEVICE)
+    kwargs = {key: (val.to(DEVICE) if isinstance(val, torch.Tensor) else val) for key, val in kwargs.items()}
+    with pytest.raises(error, match=words):
+        attention_with_kvcache(q, cache, cache.clone(), cache_seqlens=torch.tensor([3, 8], dtype=torch.int32,
+                                                                                     device=DEVICE), **kwargs)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name,causal,options", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
+def test_gpu_cache_options_match_their_definitions(name, causal, options):
+    test_cache_options_match_their_definitions(name, causal, options)

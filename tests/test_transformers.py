@@ -24,8 +24,14 @@ def _model(kind: str, **overrides):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[kind]
-    return model_cls(config_cls(**SIZES, **overrides)).eval()
+    model = model_cls(config_cls(**SIZES, **overrides)).eval()
+    for name, param in model.named_parameters():
+        if name.endswith("self_attn.sinks"):  # initialized to one value: make each head's sink its own
+            with torch.no_grad():
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))) * 2)
+    return model
 
 
 def _inputs(padded: bool, side: str = "left"):
@@ -71,6 +77,8 @@ PADDED = [
     ("qwen2", {}, "sdpa"),
     ("mistral", dict(sliding_window=5), "sdpa"),
     ("gemma2", dict(sliding_window=6, head_dim=16, attn_logit_softcapping=2.0, query_pre_attn_scalar=16), "eager"),
+    ("gpt_oss", dict(sliding_window=5, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                     rope_parameters=dict(rope_type="default", rope_theta=10000.0)), "eager"),
 ]
 
 
@@ -100,7 +108,7 @@ def test_padded_batches_go_through_packed_sequences(kind, overrides, peer, monke
     assert torch.equal(generated[NAME], generated[peer])
 
 
-@pytest.mark.parametrize("kind, overrides, peer", [PADDED[0], PADDED[3]], ids=["llama", "gemma2"])
+@pytest.mark.parametrize("kind, overrides, peer", [PADDED[0], PADDED[3], PADDED[4]], ids=["llama", "gemma2", "gpt_oss"])
 def test_gradients_match_transformers_own_attention(kind, overrides, peer):
     """The loss's gradients for every parameter, right-padded batch with the padding out of the loss
     (Gemma 2: window and softcap through the packed path): as transformers' own attention's to float32

@@ -17,7 +17,8 @@ name as a kernel to download). The model then hands each layer's attention to fl
   run through :func:`flashattn.attention_varlen`, never a loop over the sequences, with the same
   window, softcap and dropout inside each sequence; packed batches whose collator passes
   ``cu_seq_lens_q`` and ``cu_seq_lens_k`` go the same way;
-* attention sinks (``s_aux``) are not supported yet and raise ``NotImplementedError``.
+* attention sinks (gpt-oss passes them as ``s_aux``, one logit per head) join every row's softmax on
+  either path (``sinks=`` of :func:`flashattn.attention`).
 """
 
 from __future__ import annotations
@@ -60,15 +61,13 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     """transformers' attention signature: query (B, Hq, N, D), key and value (B, Hkv, M, D), the mask
     from transformers' padding-mask function (None, or (B, M) with True at real tokens). Returns the
     output as (B, N, Hq, D) and no attention weights."""
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("attention sinks (s_aux) are not supported by flashattn yet")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window = None
     if sliding_window is not None:  # transformers' window holds W keys, the query's own included
         window = (int(sliding_window) - 1, 0 if causal else int(sliding_window) - 1)
     softcap = float(softcap) if softcap else None
     dropout = float(dropout or 0.0)
-    variants = dict(window=window, softcap=softcap, dropout_p=dropout)
+    variants = dict(window=window, softcap=softcap, dropout_p=dropout, sinks=kwargs.get("s_aux"))
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None:  # a packed batch from a flattening collator: (1, H, total, D)
         o = attention_varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
