@@ -266,7 +266,8 @@ def gluon_kernel(kernel: str, problem: Problem, device: torch.device) -> bool:
         p = problem
         found = remember(_GLUON, key, (
             kernel in GLUON_HEAD_DIMS and p.head_dim in GLUON_HEAD_DIMS[kernel] and not is_interpreter()
-            and not (p.varlen or p.window is not None or p.softcap or p.alibi or p.dropout_p) and p.scale > 0
+            and not (p.varlen or p.window is not None or p.softcap or p.alibi or p.dropout_p or p.head_dim_v)
+            and p.scale > 0
             and p.batch * p.heads_q * p.n * p.m * p.head_dim >= GLUON_MIN_WORK[(kernel, p.head_dim)][int(p.causal)]
             and _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)))
     return found
@@ -307,10 +308,11 @@ def get_config(kernel: str, problem: Problem, device: torch.device) -> KernelCon
     index = device.index if device.index is not None else torch.cuda.current_device()
     major, _ = _capability(index)
     p = problem
+    block_d = max(p.block_d, p.block_dv)  # split head dims take the tiles of the wider one
     if major != 9:
-        return resolve(_DEFAULT[(kernel, p.block_d)], p.causal, p.n)
-    cfg = resolve(sm90_entry(kernel, p.block_d, dropout=p.dropout_p > 0, window=p.window is not None), p.causal, p.n)
-    small = _SM90_SMALL_GRID.get((kernel, p.block_d))
+        return resolve(_DEFAULT[(kernel, block_d)], p.causal, p.n)
+    cfg = resolve(sm90_entry(kernel, block_d, dropout=p.dropout_p > 0, window=p.window is not None), p.causal, p.n)
+    small = _SM90_SMALL_GRID.get((kernel, block_d))
     if small is not None and not (p.dropout_p or p.window is not None or p.varlen):
         blocks, heads = _blocks_and_heads(kernel, p, cfg)  # the table tile's programs, as plan_for launches them
         share, tile = small
@@ -420,7 +422,8 @@ def plan_for(kernel: str, problem: Problem, device: torch.device, cfg: KernelCon
     """The :class:`Plan` of ``kernel`` for ``problem`` with the configuration ``cfg``."""
     n_blocks, heads = _blocks_and_heads(kernel, problem, cfg)
     constexprs = dict(CAUSAL=problem.causal, HEAD_DIM=problem.head_dim, BLOCK_D=problem.block_d,
-                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **variant_abi(problem)[0])
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **variant_abi(problem)[0],
+                      HEAD_DIM_V=problem.dv, BLOCK_DV=problem.block_dv)
     passes = (constexprs,)
     if kernel == "bwd_dq":
         # the preprocess's row statistics computed in the dQ kernel (flashattn.backward.attention_backward

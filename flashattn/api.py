@@ -47,8 +47,11 @@ def check_tensors(q, k, v, q_layout: str, kv_layout: str) -> None:
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape {kv_layout}, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:  # v's head dim may differ from k's (split head dims, checked by the caller)
+        raise ValueError(f"k and v must have the same shape {kv_layout} but for the head dim, got k {tuple(k.shape)} "
+                         f"and v {tuple(v.shape)}")
+    if not MIN_HEAD_DIM <= v.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim of v must be between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}, got {v.shape[-1]}")
 
 
 def is_int(x) -> bool:
@@ -219,7 +222,7 @@ def _described(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes
         return problem
     window, softcap = _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p)
     problem = Problem.of(q, k, causal, scale, window=window, softcap=softcap, alibi=alibi_slopes is not None,
-                         dropout_p=float(dropout_p))
+                         dropout_p=float(dropout_p), head_dim_v=v.shape[-1])
     if signature is not None:
         remember(_DESCRIBED, signature, problem)
     return problem
@@ -270,7 +273,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     Args:
         q: queries, shape (B, Hq, N, D), any strides.
         k: keys, shape (B, Hkv, M, D), with ``Hq % Hkv == 0`` (grouped-query attention).
-        v: values, same shape as ``k``.
+        v: values (B, Hkv, M, D_v): k's shape, with a head dim D_v of their own where it differs from
+            D (split head dims, e.g. D = 192 and D_v = 128); the output then has D_v columns.
         causal: bottom-right aligned causal mask: query ``i`` sees key ``j`` when ``j <= i + M - N``.
             For N == M this is ``is_causal=True`` of ``scaled_dot_product_attention``.
             A query that sees no key gets output 0 (and LSE -inf).

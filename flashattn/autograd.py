@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from flashattn import _config, reference
-from flashattn.problem import Problem, dense_like, in_layout
+from flashattn.problem import Problem, dense_like, in_layout, output_like
 
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what the Triton kernels run
@@ -33,7 +33,7 @@ def _empty_forward(q, problem: Problem):
     output 0, LSE -inf), answered without a kernel (the reference's loops handle such a problem
     themselves unless it has no key/value head)."""
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return (dense_like(q).zero_(),
+    return (output_like(q, problem.dv).zero_(),
             torch.full((problem.batch, problem.heads_q, problem.n), -torch.inf, dtype=lse_dtype, device=q.device))
 
 
@@ -96,7 +96,7 @@ def _split_kv_forward(decode_kernels, q, k, v, problem: Problem):
     """A few queries against many keys (:attr:`Problem.split_kv`) by the split-KV decoding kernels: q,
     k, v seen as the decoding layout (B, N, H, D), a transpose and no copy, and every sequence holding
     all M keys. The output keeps q's layout (:func:`dense_like`); lse is (B, Hq, N) float32."""
-    o = dense_like(q)
+    o = dense_like(q)  # split_kv: D_v = D
     _, lse = decode_kernels.launch_decode(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), problem.m, None,
                                           None, None, problem, problem.m, out=o.transpose(1, 2))
     return o, lse

@@ -111,7 +111,7 @@ def _bwd_dkdv_inner(
     win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh, drop_threshold, inv_keep,  #
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
     BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,  #
-    DROPOUT: tl.constexpr, PART: tl.constexpr,
+    DROPOUT: tl.constexpr, PART: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Add the contributions of the query blocks starting in [lo, hi) to this key block's dK, dV.
     ``offs_n`` holds the block's key indices and ``first_key`` the first of them (the dropout mask's).
@@ -130,7 +130,7 @@ def _bwd_dkdv_inner(
                                   qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI)
         else:
             s_t = tl.dot(b_k, tl.trans(b_q)) * qk_scale  # base-2 scores
-        b_do = do_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+        b_do = do_desc.load([i_b, i_hq, start_m, 0]).reshape(BLOCK_M, BLOCK_DV)  # [BLOCK_M, BLOCK_DV]
         # dP^T = V dO^T, [BLOCK_N, BLOCK_M], does not need P, so it goes to the tensor cores before the
         # exponentials: the compiled loop runs some of them while this product is in flight, and the
         # dV and dK products below then issue back to back
@@ -160,7 +160,7 @@ def _bwd_dkdv_inner(
         else:
             if PART != 2:
                 # --8<-- [start:bwd-dv-accumulate]
-                b_dv += tl.dot(p_t.to(b_do.dtype), b_do)  # dV += P^T dO, [BLOCK_N, BLOCK_D]
+                b_dv += tl.dot(p_t.to(b_do.dtype), b_do)  # dV += P^T dO, [BLOCK_N, BLOCK_DV]
                 # --8<-- [end:bwd-dv-accumulate]
             if PART != 1:
                 # --8<-- [start:bwd-ds]
@@ -194,7 +194,7 @@ def _bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    VARLEN: tl.constexpr, PART: tl.constexpr,
+    VARLEN: tl.constexpr, PART: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     # key block, batch * key/value head; causal: the first key block is seen by the most rows
     i_n, i_bh = program_tile(N_BLOCKS, HEADS_PER_GROUP, False)
@@ -218,8 +218,10 @@ def _bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    offs_dv = tl.arange(0, BLOCK_DV)  # [BLOCK_DV]: v's columns (D_v = D unless the head dims are split)
     mask_n = offs_n < N_CTX_K
     mask_d = offs_d < HEAD_DIM
+    mask_dv = offs_dv < HEAD_DIM_V
 
     # --8<-- [start:bwd-dkdv-parts]
     # PART: 0 computes dK and dV in one launch. At D = 256 the two float32 accumulators of a 64-row
@@ -232,10 +234,10 @@ def _bwd_dkdv_kernel(
     b_k = k_desc.load([i_b, i_hkv, k_row, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
     b_v = b_k  # never read by PART 1, which needs no dP
     if PART != 1:
-        b_v = v_desc.load([i_b, i_hkv, k_row, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        b_v = v_desc.load([i_b, i_hkv, k_row, 0]).reshape(BLOCK_N, BLOCK_DV)  # [BLOCK_N, BLOCK_DV]
     # --8<-- [end:bwd-dkdv-parts]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    b_dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     # The mirror of the forward schedule: query blocks in [lo, full_start) straddle the diagonal,
     # [full_start, full_end) see the whole key block, [full_end, hi) is the ragged last query block
@@ -276,20 +278,20 @@ def _bwd_dkdv_kernel(
                                      qk_scale, win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bhq,
                                      drop_threshold, inv_keep,
                                      True, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT,
-                                     PART)
+                                     PART, BLOCK_DV)
         if not ONE_LOOP:
             b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
                                          offs_m, offs_n, start_n, full_start, full_end, N_CTX_Q, N_CTX_K, qk_scale,
                                          win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bhq,
                                          drop_threshold, inv_keep,
                                          False, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT,
-                                         PART)
+                                         PART, BLOCK_DV)
             b_dk, b_dv = _bwd_dkdv_inner(b_dk, b_dv, b_k, b_v, q_desc, do_desc, i_b, i_hq, p_lse2, p_delta,
                                          offs_m, offs_n, start_n, full_end, hi, N_CTX_Q, N_CTX_K, qk_scale,
                                          win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bhq,
                                          drop_threshold, inv_keep,
                                          True, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT,
-                                         PART)
+                                         PART, BLOCK_DV)
 
     b_dk *= scale  # S = scale * Q K^T, so dK = scale * dS^T Q
     if DROPOUT:
@@ -298,12 +300,11 @@ def _bwd_dkdv_kernel(
     p_dk = DK + i_b.to(tl.int64) * stride_dkb + i_hkv.to(tl.int64) * stride_dkh + k_row.to(tl.int64) * stride_dkn \
         + rows * stride_dkn + offs_d[None, :]
     p_dv = DV + i_b.to(tl.int64) * stride_dvb + i_hkv.to(tl.int64) * stride_dvh + k_row.to(tl.int64) * stride_dvn \
-        + rows * stride_dvn + offs_d[None, :]
-    mask_out = mask_n[:, None] & mask_d[None, :]  # mask_n: keys of this sequence only
-    if PART != 1:
-        tl.store(p_dk, b_dk.to(DK.dtype.element_ty), mask=mask_out)
+        + rows * stride_dvn + offs_dv[None, :]
+    if PART != 1:  # mask_n: keys of this sequence only
+        tl.store(p_dk, b_dk.to(DK.dtype.element_ty), mask=mask_n[:, None] & mask_d[None, :])
     if PART != 2:
-        tl.store(p_dv, b_dv.to(DV.dtype.element_ty), mask=mask_out)
+        tl.store(p_dv, b_dv.to(DV.dtype.element_ty), mask=mask_n[:, None] & mask_dv[None, :])
 # --8<-- [end:bwd-dkdv-kernel]
 
 
@@ -315,13 +316,14 @@ def _bwd_dq_inner(
     win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_bh, drop_threshold, inv_keep,  #
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,  #
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """Add the contributions of the key blocks starting in [lo, hi) to this query block's dQ
     (``key0`` and ``i_bh`` as in the forward's loop: the sequence's first row of k, the mask's counter)."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n  # [BLOCK_N]
         b_k = k_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
-        b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_DV)  # [BLOCK_N, BLOCK_DV]
         if SOFTCAP or ALIBI:
             s, t = score_mods(tl.dot(b_q, tl.trans(b_k)), offs_m[:, None], cols[None, :], N_CTX_Q, N_CTX_K,
                               qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI)
@@ -358,7 +360,8 @@ def _bwd_dq_kernel(
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    VARLEN: tl.constexpr, ROW_STATS: tl.constexpr, HAS_DLSE: tl.constexpr,
+    VARLEN: tl.constexpr, ROW_STATS: tl.constexpr, HAS_DLSE: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     # query block, batch * query head; causal: the longest key walks first, as in the forward
     i_m, i_bh = program_tile(N_BLOCKS, HEADS_PER_GROUP, CAUSAL)
@@ -383,18 +386,19 @@ def _bwd_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    offs_dv = tl.arange(0, BLOCK_DV)  # [BLOCK_DV]: dO's and o's columns
     mask_m = offs_m < N_CTX_Q
     mask_d = offs_d < HEAD_DIM
 
     b_q = q_desc.load([i_b, i_hq, q_row, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
-    b_do = do_desc.load([i_b, i_hq, q_row, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+    b_do = do_desc.load([i_b, i_hq, q_row, 0]).reshape(BLOCK_M, BLOCK_DV)  # [BLOCK_M, BLOCK_DV]
     if ROW_STATS:
         # The preprocess kernel's work for this block's rows, here where dO is loaded anyway: where dQ
         # runs first, on the current stream, the backward saves that launch (launch_backward), and
         # dK/dV then reads what this stores. O's padded rows and columns load as 0, so their delta is 0.
         p_o = O + i_b.to(tl.int64) * stride_ob + i_hq.to(tl.int64) * stride_oh + q_row.to(tl.int64) * stride_on \
-            + tl.arange(0, BLOCK_M)[:, None] * stride_on + offs_d[None, :]
-        b_o = tl.load(p_o, mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
+            + tl.arange(0, BLOCK_M)[:, None] * stride_on + offs_dv[None, :]
+        b_o = tl.load(p_o, mask=mask_m[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0).to(tl.float32)
         b_lse2, b_delta = _row_stats(b_o, b_do.to(tl.float32), LSE + row0 + offs_m, DLSE + row0 + offs_m, mask_m,
                                      HAS_DLSE)
         tl.store(LSE2 + row0 + offs_m, b_lse2, mask=mask_m)
@@ -425,17 +429,17 @@ def _bwd_dq_kernel(
                              lo, full_start, N_CTX_Q, N_CTX_K, qk_scale,
                              win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_drop,
                              drop_threshold, inv_keep,
-                             True, CAUSAL, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
+                             True, CAUSAL, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT, BLOCK_DV)
     b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n, k_start,
                          full_start, full_end, N_CTX_Q, N_CTX_K, qk_scale,
                          win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_drop,
                          drop_threshold, inv_keep,
-                         False, CAUSAL, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
+                         False, CAUSAL, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT, BLOCK_DV)
     b_dq = _bwd_dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n, k_start,
                          full_end, hi, N_CTX_Q, N_CTX_K, qk_scale,
                          win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_drop,
                          drop_threshold, inv_keep,
-                         True, CAUSAL, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
+                         True, CAUSAL, BLOCK_N, BLOCK_D, HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT, BLOCK_DV)
 
     b_dq *= scale  # S = scale * Q K^T, so dQ = scale * dS K
     p_dq = DQ + i_b.to(tl.int64) * stride_dqb + i_hq.to(tl.int64) * stride_dqh + q_row.to(tl.int64) * stride_dqn \
@@ -532,7 +536,7 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
                (o, do, lse, dlse, lse2, delta,
                 o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
                 p.heads_q, n_q, n_rows),
-               dict(HAS_DLSE=has_dlse, HEAD_DIM=p.head_dim, BLOCK_D=p.block_d, BLOCK_M=block), {}, record)
+               dict(HAS_DLSE=has_dlse, HEAD_DIM=p.dv, BLOCK_D=p.block_dv, BLOCK_M=block), {}, record)
 
     desc = Descriptors(p.block_d)  # shared by the two kernels where their tiles agree
 
@@ -542,7 +546,7 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
             return
         cfg = plan.config
         offsets = tile_offsets(cu_k, cfg.block_n) if p.varlen else delta
-        args = (desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(do, cfg.block_m),
+        args = (desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n, p.block_dv), desc(do, cfg.block_m, p.block_dv),
                 lse2, delta, dk_view, dv_view,
                 dk_view.stride(0), dk_view.stride(1), dk_view.stride(2),
                 dv_view.stride(0), dv_view.stride(1), dv_view.stride(2),
@@ -557,7 +561,7 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
             return
         cfg = plan.config
         offsets = tile_offsets(cu_q, cfg.block_m) if p.varlen else delta
-        args = (desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(do, cfg.block_m),
+        args = (desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n, p.block_dv), desc(do, cfg.block_m, p.block_dv),
                 lse2, delta, dq_view, dq_view.stride(0), dq_view.stride(1), dq_view.stride(2),
                 o, lse, dlse, o.stride(0), o.stride(1), o.stride(2),
                 p.heads_q, p.group, n_q, n_k, p.qk_scale, p.scale, plan.n_blocks, plan.heads_per_group,

@@ -32,8 +32,9 @@ def _shapes_as_passed(q, k, v) -> ValueError | None:
     """For a failed :func:`flash_attn_func` call: the error of the contract's check that prints shapes
     (k and v alike), in the (B, N, H, D) order the caller passed them (``attention`` saw them
     transposed), or None when that is not the fault."""
-    if q.device == k.device == v.device and q.dtype == k.dtype == v.dtype and k.shape != v.shape:
-        return ValueError(f"k and v must have the same shape (B, M, Hkv, D), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if q.device == k.device == v.device and q.dtype == k.dtype == v.dtype and k.shape[:-1] != v.shape[:-1]:
+        return ValueError(f"k and v must have the same shape (B, M, Hkv, D) but for the head dim, got k {tuple(k.shape)} "
+                          f"and v {tuple(v.shape)}")
     return None
 
 

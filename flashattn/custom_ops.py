@@ -28,7 +28,7 @@ from torch import Tensor
 
 from flashattn._memo import remember, table
 from flashattn.autograd import backend, sinks_grad, use_kernels, with_sinks
-from flashattn.problem import Problem, dense_like, in_layout
+from flashattn.problem import Problem, dense_like, in_layout, output_like
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -38,18 +38,19 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 _PROBLEMS = table("custom_ops.problems")  # the operators' arguments that describe a call -> its Problem
 
 
-def _problem(q, k, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p, cu_seqlens_q=None,
+def _problem(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p, cu_seqlens_q=None,
              max_seqlen_q=0, max_seqlen_k=0) -> Problem:
     """The call's :class:`Problem`, kept per argument signature: a compiled model without CUDA graphs
     calls the operator itself every step, and building a Problem is a few microseconds of it."""
     packed = cu_seqlens_q is not None
-    key = (q.shape, k.shape, q.dtype, causal, scale, window_left, window_right, softcap, alibi_slopes is None,
+    key = (q.shape, k.shape, v.shape[-1], q.dtype, causal, scale, window_left, window_right, softcap, alibi_slopes is None,
            dropout_p, packed and (cu_seqlens_q.shape[0], max_seqlen_q, max_seqlen_k))
     problem = _PROBLEMS.get(key)
     if problem is None:
         # The operators spell the window as FlashAttention 2 does: a negative side is unbounded.
         window = (None if window_left < 0 else window_left, None if window_right < 0 else window_right)
-        variants = dict(window=window, softcap=softcap, alibi=alibi_slopes is not None, dropout_p=dropout_p)
+        variants = dict(window=window, softcap=softcap, alibi=alibi_slopes is not None, dropout_p=dropout_p,
+                        head_dim_v=v.shape[-1])
         if packed:
             problem = Problem.packed(q, k, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, causal, scale,
                                      **variants)
@@ -69,7 +70,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
                       dropout_p: float = 0.0, seed: int = 0, cu_seqlens_q: Tensor | None = None,
                       cu_seqlens_k: Tensor | None = None, max_seqlen_q: int = 0,
                       max_seqlen_k: int = 0, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    problem = _problem(q, k, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
+    problem = _problem(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
                        cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     o, lse = backend(use_kernels(q))[0](q, k, v, problem, alibi_slopes, seed, _packing(cu_seqlens_q, cu_seqlens_k))
     if sinks is not None:
@@ -80,10 +81,11 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
 @attention_forward.register_fake
 def _(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
       seed=0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, sinks=None):
+    o = output_like(q, v.shape[-1])
     if cu_seqlens_q is not None:  # packed: lse is (Hq, total_q)
-        return dense_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+        return o, q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
     b, h_q, n, _ = q.shape
-    return dense_like(q), q.new_empty((b, h_q, n), dtype=_lse_dtype(q))
+    return o, q.new_empty((b, h_q, n), dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("flashattn::attention_backward", mutates_args=())
@@ -93,7 +95,7 @@ def attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, l
                        dropout_p: float = 0.0, seed: int = 0, cu_seqlens_q: Tensor | None = None,
                        cu_seqlens_k: Tensor | None = None, max_seqlen_q: int = 0,
                        max_seqlen_k: int = 0, sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    problem = _problem(q, k, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
+    problem = _problem(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
                        cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = backend(use_kernels(q))[1](do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed,
                                             _packing(cu_seqlens_q, cu_seqlens_k))

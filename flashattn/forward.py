@@ -36,7 +36,7 @@ from flashattn.launch import launch, recording, replay
 from flashattn.tensors import (
     addressable, Descriptors, heads_first, interpreter_needs_float32, tile_offsets,
 )
-from flashattn.problem import Problem, dense_like, seed_halves, variant_abi
+from flashattn.problem import Problem, dense_like, output_like, seed_halves, variant_abi
 
 
 # --8<-- [start:fwd-inner]
@@ -47,6 +47,7 @@ def _fwd_inner(
     win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_drop, drop_threshold,  #
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,  #
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """Fold the key blocks starting in [lo, hi) into the online-softmax state of one query block.
     ``key0`` is the row of k that holds key 0 of the sequence (0 for dense tensors) and ``i_drop`` the
@@ -102,7 +103,7 @@ def _fwd_inner(
             keep = dropout_keep(seed_lo, seed_hi, i_drop, offs_m, start_n - key0, drop_threshold, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         # --8<-- [end:fwd-dropout]
-        b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_DV)  # [BLOCK_N, BLOCK_DV]
         # P is rounded to the input dtype so the second matmul runs on the tensor cores too
         acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
         m_i = m_new
@@ -122,7 +123,7 @@ def _attn_fwd_kernel(
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     # Causal rows late in the sequence see the most keys: those blocks launch first, so the short
     # ones fill the gaps at the end of the grid instead of the long ones trailing alone.
@@ -130,7 +131,7 @@ def _attn_fwd_kernel(
     i_b = i_bh // H_Q
     i_hq = i_bh % H_Q
     i_hkv = i_hq // GROUP  # the K/V head this query head shares with its group
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    EVEN_DV: tl.constexpr = HEAD_DIM_V == BLOCK_DV  # v's and o's head dim (D_v, D unless split)
 
     start_m = i_m * BLOCK_M
     q_row = start_m  # the tile's first row in q and o
@@ -152,15 +153,15 @@ def _attn_fwd_kernel(
     # --8<-- [end:fwd-varlen-prologue]
     offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D], padded to a power of two
+    offs_dv = tl.arange(0, BLOCK_DV)  # [BLOCK_DV]: o's columns, padded to a power of two
     mask_m = offs_m < N_CTX_Q
-    mask_d = offs_d < HEAD_DIM
+    mask_dv = offs_dv < HEAD_DIM_V
 
     # a packed tile's rows past its sequence are the next sequence's: read, masked, never stored
     b_q = q_desc.load([i_b, i_hq, q_row, 0]).reshape(BLOCK_M, BLOCK_D)  # [BLOCK_M, BLOCK_D]
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max, base 2
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s - m_i)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # running unnormalized P V
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # running unnormalized P V
     slope2 = 0.0
     if ALIBI:  # this head's slope, in base-2 units
         slope2 = tl.load(SLOPES + i_seq * stride_slope_b + i_hq) * LOG2E
@@ -188,34 +189,34 @@ def _attn_fwd_kernel(
                                    lo, full_start, N_CTX_Q, N_CTX_K, qk_scale,
                                    win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_drop,
                                    drop_threshold, True, CAUSAL, BLOCK_N, BLOCK_D,
-                                   HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
+                                   HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT, BLOCK_DV)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n, k_start,
                                full_start, full_end, N_CTX_Q, N_CTX_K, qk_scale,
                                win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_drop,
                                drop_threshold, False, CAUSAL, BLOCK_N, BLOCK_D,
-                               HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
+                               HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT, BLOCK_DV)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n, k_start,
                                full_end, hi, N_CTX_Q, N_CTX_K, qk_scale,
                                win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_drop,
                                drop_threshold, True, CAUSAL, BLOCK_N, BLOCK_D,
-                               HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT)
+                               HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT, BLOCK_DV)
 
     # --8<-- [start:fwd-lse-epilogue]
     # l_i >= 1 for every row that saw a key (its max contributes exp2(0) = 1), so l_i == 0 marks the
     # rows that saw none: they store o = 0 and lse = -inf instead of 0/0.
     empty = l_i == 0.0
-    b_o = acc / tl.where(empty, 1.0, l_i)[:, None]  # [BLOCK_M, BLOCK_D]
+    b_o = acc / tl.where(empty, 1.0, l_i)[:, None]  # [BLOCK_M, BLOCK_DV]
     if DROPOUT:
         b_o = b_o * inv_keep  # the kept entries of P, scaled by 1 / (1 - p)
     # lse = ln(sum exp(s)) = (m_i + log2(l_i)) * ln 2, with m_i the base-2 max
     b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)  # [BLOCK_M]
     # 64-bit base, 32-bit offsets inside the tile: a (B, N, H, D) output can hold more than 2^31 elements
     p_o = O + i_b.to(tl.int64) * stride_ob + i_hq.to(tl.int64) * stride_oh + q_row.to(tl.int64) * stride_on \
-        + tl.arange(0, BLOCK_M)[:, None] * stride_on + offs_d[None, :]
-    if EVEN_D:
+        + tl.arange(0, BLOCK_M)[:, None] * stride_on + offs_dv[None, :]
+    if EVEN_DV:
         tl.store(p_o, b_o.to(O.dtype.element_ty), mask=mask_m[:, None])
     else:
-        tl.store(p_o, b_o.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+        tl.store(p_o, b_o.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
     if VARLEN:
         p_lse = LSE + lse_row + offs_m
     else:
@@ -254,7 +255,8 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: P
     if replayed is not None:
         return replayed
     record = recording(key)
-    if not p.varlen and _config.gluon_kernel("fwd", p, q.device) and hopper_fwd.available():
+    if not p.varlen and p.head_dim_v == p.head_dim and _config.gluon_kernel("fwd", p, q.device) \
+            and hopper_fwd.available():
         # the Hopper forward in Gluon (large plain problems on sm_90, flashattn._config.gluon_kernel);
         # it makes its inputs TMA-readable itself (a copy it makes is no input: then nothing is kept)
         o, lse = hopper_fwd.forward(q, k, v, p.causal, p.scale, out=dense_like(q), record=record)
@@ -262,7 +264,7 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: P
             record.keep(inputs, (o, lse), free, shared=(0, 1, 2))
         return o, lse
     if p.varlen:
-        o = dense_like(q)
+        o = output_like(q, p.head_dim_v)
         lse = torch.empty((p.heads_q, p.total_q), dtype=torch.float32, device=q.device)
         if p.total_q == 0 or p.total_k == 0:  # nothing to launch: no key anywhere gives o = 0, lse = -inf
             return o.zero_(), lse.fill_(float("-inf"))
@@ -272,7 +274,7 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: P
         q, k, v = (addressable(x) for x in (q, k, v))
     else:
         q, k, v = (addressable(x) for x in (q, k, v))
-        o = o_view = dense_like(q)  # keeps q's memory layout, e.g. (B, N, H, D) for a transposed view
+        o = o_view = output_like(q, p.head_dim_v)  # q's memory layout, e.g. (B, N, H, D) for a transposed view
         lse = torch.empty((p.batch, p.heads_q, p.n), dtype=torch.float32, device=q.device)
         cu_q = cu_k = lse  # never read: VARLEN is off
         n_q, n_k = p.n, p.m
@@ -281,7 +283,7 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: P
         cfg = plan.config
         offsets = tile_offsets(cu_q, cfg.block_m) if p.varlen else lse
         desc = Descriptors(p.block_d)
-        args = (desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), o_view, lse,
+        args = (desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n, p.block_dv), o_view, lse,
                 o_view.stride(0), o_view.stride(1), o_view.stride(2),
                 p.heads_q, p.group, n_q, n_k, p.qk_scale, plan.n_blocks, plan.heads_per_group,
                 cu_q, cu_k, offsets, p.batch, *variant_abi(p, alibi_slopes, seed, lse)[1])

@@ -59,10 +59,15 @@ class Problem:
     total_k: int = 0
     page_size: int = 0
     n_new: int = 0
+    # D_v, the head dim of v and o where it differs from q's and k's (e.g. 192 / 128 in DeepSeek's MLA
+    # prefill); 0 when they share D
+    head_dim_v: int = 0
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.head_dim_v == self.head_dim:
+            object.__setattr__(self, "head_dim_v", 0)  # one spelling per problem, so equal problems hash alike
         # hashed once: a problem keys the launchers' recipes, looked up on every call
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in self.__dataclass_fields__)))
         varlen = self.layout == "packed"
@@ -72,7 +77,7 @@ class Problem:
         object.__setattr__(self, "_constexprs", dict(
             HAS_WINDOW=self.window is not None, SOFTCAP=self.softcap > 0, ALIBI=self.alibi,
             DROPOUT=self.dropout_p > 0, VARLEN=varlen))
-        plain = not (self.window is not None or self.softcap or self.alibi or self.dropout_p)
+        plain = not (self.window is not None or self.softcap or self.alibi or self.dropout_p or self.head_dim_v)
         object.__setattr__(self, "_split_kv", self.layout == "dense" and plain and not self.empty and self.scale >= 0
                            and split_kv_wins(self.n, self.m, self.batch * self.heads_kv))
 
@@ -81,27 +86,29 @@ class Problem:
 
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool = False, scale: float | None = None, *,
-           window=None, softcap: float | None = 0.0, alibi: bool = False, dropout_p: float = 0.0) -> "Problem":
+           window=None, softcap: float | None = 0.0, alibi: bool = False, dropout_p: float = 0.0,
+           head_dim_v: int = 0) -> "Problem":
         """The description of attention of q (B, Hq, N, D) over k (B, Hkv, M, D); the caller validates.
 
-        ``window = (left, right)`` takes ``None`` on a side for unbounded; ``softcap`` 0 or None is off.
+        ``window = (left, right)`` takes ``None`` on a side for unbounded; ``softcap`` 0 or None is off;
+        ``head_dim_v`` is v's head dim (0: D).
         """
         batch, heads_q, n, head_dim = q.shape
         m = k.shape[2]
         return cls(batch, heads_q, k.shape[1], n, m, head_dim, q.dtype, bool(causal), _scale(scale, head_dim),
-                   *_variants(n, m, causal, window, softcap, alibi, dropout_p))
+                   *_variants(n, m, causal, window, softcap, alibi, dropout_p), head_dim_v=int(head_dim_v))
 
     @classmethod
     def packed(cls, q: torch.Tensor, k: torch.Tensor, n_seqs: int, max_seqlen_q: int, max_seqlen_k: int,
                causal: bool = False, scale: float | None = None, *, window=None, softcap: float | None = 0.0,
-               alibi: bool = False, dropout_p: float = 0.0) -> "Problem":
+               alibi: bool = False, dropout_p: float = 0.0, head_dim_v: int = 0) -> "Problem":
         """The description of packed attention of q (total_q, Hq, D) over k (total_k, Hkv, D); the
         variants as :meth:`of` takes them, each acting inside every sequence alone."""
         total_q, heads_q, head_dim = q.shape
         n, m = int(max_seqlen_q), int(max_seqlen_k)
         return cls(n_seqs, heads_q, k.shape[1], n, m, head_dim, q.dtype, bool(causal), _scale(scale, head_dim),
                    *_variants(n, m, causal, window, softcap, alibi, dropout_p),
-                   layout="packed", total_q=total_q, total_k=k.shape[0])
+                   layout="packed", total_q=total_q, total_k=k.shape[0], head_dim_v=int(head_dim_v))
 
     @classmethod
     def cache(cls, q: torch.Tensor, k_cache: torch.Tensor, capacity: int, causal: bool = True,
@@ -126,6 +133,16 @@ class Problem:
     def block_d(self) -> int:
         """The head dim padded to a power of two of at least 16 (:func:`head_dim_block`)."""
         return head_dim_block(self.head_dim)
+
+    @property
+    def dv(self) -> int:
+        """The head dim of v and o: D_v where the head dims are split, else D."""
+        return self.head_dim_v or self.head_dim
+
+    @property
+    def block_dv(self) -> int:
+        """D_v padded like :attr:`block_d`."""
+        return head_dim_block(self.dv)
 
     @property
     def softcap_in(self) -> float:
@@ -222,9 +239,23 @@ def dense_like(x: torch.Tensor) -> torch.Tensor:
     return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
+def output_like(q: torch.Tensor, head_dim_v: int) -> torch.Tensor:
+    """An uninitialized output for queries ``q``: :func:`dense_like` of q, or, when the values' head
+    dim differs from q's, a tensor of q's shape but ``head_dim_v`` columns in the same dim order."""
+    if head_dim_v == q.shape[-1]:
+        return dense_like(q)
+    shape = (*q.shape[:-1], head_dim_v)
+    order = sorted(range(q.dim() - 1), key=lambda i: -q.stride(i))  # q's outer dims, outermost first
+    out = torch.empty([shape[i] for i in order] + [head_dim_v], dtype=q.dtype, device=q.device)
+    return out.permute(*[order.index(i) for i in range(q.dim() - 1)], q.dim() - 1)
+
+
 def in_layout(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``x`` in :func:`dense_like`'s layout for ``like`` (the reference computes contiguous tensors):
     itself when it is already, else a copy."""
+    if x.shape[-1] != like.shape[-1]:  # split head dims: the output has v's
+        out = output_like(like, x.shape[-1])
+        return x if out.stride() == x.stride() else out.copy_(x)
     if like.stride(-1) == 1 and x.stride() == like.stride():  # empty_like keeps such a dense layout
         return x
     out = dense_like(like)

@@ -90,7 +90,7 @@ def naive_attention(q, k, v, causal: bool = False, scale: float | None = None, *
         p = p * dropout_mask.reshape(p.shape).to(p.dtype) / (1.0 - dropout_p)
     o = p @ v.unsqueeze(2)  # (B, Hkv, G, N, D)
     lse = (pivot + torch.log(l)).reshape(b, h_q, n)  # log(0) = -inf for empty rows
-    return o.reshape(b, h_q, n, d), lse.to(_acc_dtype(q))
+    return o.reshape(b, h_q, n, v.shape[-1]), lse.to(_acc_dtype(q))
 
 
 def _slopes(alibi_slopes, b, h_kv, dtype):
@@ -281,13 +281,14 @@ def online_forward(q, k, v, causal: bool = False, scale: float | None = None, bl
     win = _kernel_window(n, m, causal, window)
     qg = _group(q, h_kv).to(acc_dtype)  # (B, Hkv, G, N, D)
     kf, vf = k.unsqueeze(2).to(acc_dtype), v.unsqueeze(2).to(acc_dtype)  # (B, Hkv, 1, M, D)
-    o = torch.empty(qg.shape, dtype=q.dtype, device=q.device)
+    d_v = v.shape[-1]  # D unless the head dims are split
+    o = torch.empty(qg.shape[:-1] + (d_v,), dtype=q.dtype, device=q.device)
     lse = torch.empty(qg.shape[:-1], dtype=acc_dtype, device=q.device)
     for start_m in range(0, n, block_m):
         b_q = _load_rows(qg, start_m, block_m)  # [.., BLOCK_M, D]
         m_i = torch.full(b_q.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)  # [.., BLOCK_M]
         l_i = torch.zeros_like(m_i)  # [.., BLOCK_M]
-        acc = torch.zeros_like(b_q)  # [.., BLOCK_M, D]
+        acc = b_q.new_zeros(b_q.shape[:-1] + (d_v,))  # [.., BLOCK_M, D_v]
         lo, full_start, full_end, hi = _key_walk(start_m, block_m, block_n, n, m, causal, win)
         for start_n in range(lo, hi, block_n):
             b_k = _load_rows(kf, start_n, block_n)  # [.., BLOCK_N, D]
@@ -320,7 +321,7 @@ def online_forward(q, k, v, causal: bool = False, scale: float | None = None, bl
         width = rows.stop - rows.start  # a ragged last block stores only its real rows
         o[..., rows, :] = b_o[..., :width, :].to(q.dtype)
         lse[..., rows] = b_lse[..., :width]
-    return o.reshape(b, h_q, n, d), lse.reshape(b, h_q, n)
+    return o.reshape(b, h_q, n, d_v), lse.reshape(b, h_q, n)
 # --8<-- [end:online-forward]
 
 
@@ -378,13 +379,13 @@ def online_backward(
         return ds, p_used
 
     dk = torch.empty(kf.shape[:2] + (m, d), dtype=k.dtype, device=k.device)
-    dv = torch.empty_like(dk, dtype=v.dtype)
+    dv = torch.empty(kf.shape[:2] + (m, v.shape[-1]), dtype=v.dtype, device=v.device)
     # dK/dV: one key block at a time; loop over the query blocks that can see it.
     for start_n in range(0, m, block_n):
         b_k = _load_rows(kf, start_n, block_n)  # [.., BLOCK_N, D]
         b_v = _load_rows(vf, start_n, block_n)  # [.., BLOCK_N, D]
         b_dk = torch.zeros(qg.shape[:3] + (block_n, d), dtype=acc_dtype, device=q.device)
-        b_dv = torch.zeros_like(b_dk)
+        b_dv = torch.zeros(qg.shape[:3] + (block_n, v.shape[-1]), dtype=acc_dtype, device=q.device)
         if win is None:
             lo, full_start, full_end = schedule.backward_query_range(start_n, block_m, block_n, n, m, causal)
             hi = n
@@ -459,7 +460,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, 
         if n == 0:
             continue
         if m == 0:  # no key at all: o = 0, and the LSE is the sink's (-inf without one)
-            o_parts.append(q.new_zeros((n, h_q, d)))
+            o_parts.append(q.new_zeros((n, h_q, v.shape[-1])))
             lse_parts.append(torch.full((h_q, n), float("-inf"), dtype=_acc_dtype(q), device=q.device)
                              if sinks is None else sinks.to(_acc_dtype(q))[:, None].expand(h_q, n))
             continue
@@ -469,7 +470,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, 
         o_parts.append(o_i[0].transpose(0, 1))
         lse_parts.append(lse_i[0])
     if not o_parts:
-        return q.new_zeros(q.shape), torch.empty((h_q, 0), dtype=_acc_dtype(q), device=q.device)
+        return q.new_zeros((total_q, h_q, v.shape[-1])), torch.empty((h_q, 0), dtype=_acc_dtype(q), device=q.device)
     return torch.cat(o_parts, 0), torch.cat(lse_parts, 1)
 # --8<-- [end:varlen-reference]
 

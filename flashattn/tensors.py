@@ -133,11 +133,14 @@ class Descriptors:
         self.block_d, self.made = block_d, {}
         self.checked = _config.is_interpreter()  # read once per launcher call, not per descriptor
 
-    def __call__(self, x: torch.Tensor, rows: int):
-        key = (id(x), rows)  # x stays alive for the whole call, so its id is not reused meanwhile
+    def __call__(self, x: torch.Tensor, rows: int, block_d: int | None = None):
+        """The descriptor of [rows, block_d] tiles of x (block_d: the call's head-dim block by default;
+        v, dO and o take D_v's when the head dims are split)."""
+        block_d = block_d or self.block_d
+        key = (id(x), rows, block_d)  # x stays alive for the whole call, so its id is not reused meanwhile
         desc = self.made.get(key)
         if desc is None:
-            desc = self.made[key] = tile_desc(x, rows, self.block_d, self.checked)
+            desc = self.made[key] = tile_desc(x, rows, block_d, self.checked)
         return desc
 
 

@@ -131,7 +131,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         q: (total_q, Hq, D), the sequences' queries one after the other; any strides with a dense last
             dim are read in place (e.g. a slice of a packed qkv tensor).
         k: (total_k, Hkv, D), with ``Hq % Hkv == 0`` (grouped-query attention).
-        v: values, same shape as ``k``.
+        v: values (total_k, Hkv, D_v): k's shape, with a head dim of their own where it differs from D
+            (the output then has D_v columns).
         cu_seqlens_q: int32, shape (B + 1,), on the device of q: 0, then the cumulative lengths, so
             sequence ``i`` holds rows ``cu_seqlens_q[i] : cu_seqlens_q[i + 1]`` of q. Zero-length
             sequences are allowed on either side (a query with no key gets o = 0, lse = -inf).
@@ -213,7 +214,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, sinks=sinks)
     else:
         problem = Problem.packed(q, k, n_seqs, max_seqlen_q, max_seqlen_k, causal, scale, window=window,
-                                 softcap=softcap, alibi=alibi_slopes is not None, dropout_p=float(dropout_p))
+                                 softcap=softcap, alibi=alibi_slopes is not None, dropout_p=float(dropout_p),
+                                 head_dim_v=v.shape[-1])
         args = (q, k, v, problem, use_kernels(q), alibi_slopes, dropout_seed(problem.dropout_p, generator, seed),
                 cu_seqlens_q, cu_seqlens_k, sinks)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
