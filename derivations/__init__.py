@@ -31,6 +31,7 @@ MODULES = (
     "causal_masking",
     "sliding_window",
     "softcap",
+    "sinks",
     "alibi",
     "dropout",
     "stacked_variants",
