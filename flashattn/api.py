@@ -51,7 +51,7 @@ def check_tensors(q, k, v, q_layout: str, kv_layout: str) -> None:
         raise ValueError(f"k and v must have the same shape {kv_layout} but for the head dim, got k {tuple(k.shape)} "
                          f"and v {tuple(v.shape)}")
     if not MIN_HEAD_DIM <= v.shape[-1] <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim of v must be between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}, got {v.shape[-1]}")
+        raise ValueError(f"head dim D_v of v must be between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}, got {v.shape[-1]}")
 
 
 def is_int(x) -> bool:

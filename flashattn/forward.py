@@ -264,7 +264,7 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: P
             record.keep(inputs, (o, lse), free, shared=(0, 1, 2))
         return o, lse
     if p.varlen:
-        o = output_like(q, p.head_dim_v)
+        o = output_like(q, p.dv)
         lse = torch.empty((p.heads_q, p.total_q), dtype=torch.float32, device=q.device)
         if p.total_q == 0 or p.total_k == 0:  # nothing to launch: no key anywhere gives o = 0, lse = -inf
             return o.zero_(), lse.fill_(float("-inf"))
@@ -274,7 +274,7 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: P
         q, k, v = (addressable(x) for x in (q, k, v))
     else:
         q, k, v = (addressable(x) for x in (q, k, v))
-        o = o_view = output_like(q, p.head_dim_v)  # q's memory layout, e.g. (B, N, H, D) for a transposed view
+        o = o_view = output_like(q, p.dv)  # q's memory layout, e.g. (B, N, H, D) for a transposed view
         lse = torch.empty((p.batch, p.heads_q, p.n), dtype=torch.float32, device=q.device)
         cu_q = cu_k = lse  # never read: VARLEN is off
         n_q, n_k = p.n, p.m

@@ -84,12 +84,13 @@ def test_compile_fullgraph_traces_forward_and_backward(causal, monkeypatch):
 def test_operator_problems_are_kept_per_signature_and_never_mixed():
     """The operators keep the Problem of each argument signature: the same arguments give the same
     object, and every argument that describes a call gives a Problem of its own, equal to a fresh one."""
-    q, k, _ = _qkv(2, 4, 2, 8, 12, 16, torch.float16, seed=1)
-    base = (q, k, True, 0.25, -1, -1, 0.0, None, 0.0)
+    q, k, v = _qkv(2, 4, 2, 8, 12, 16, torch.float16, seed=1)
+    base = (q, k, v, True, 0.25, -1, -1, 0.0, None, 0.0)
     assert custom_ops._problem(*base) is custom_ops._problem(*base)
-    variants = [base, (q, k, False, *base[3:]), (q, k, True, 0.5, *base[4:]), (*base[:4], 3, 0, *base[6:]),
-                (*base[:6], 30.0, None, 0.0), (*base[:7], torch.ones(4), 0.0), (*base[:8], 0.25),
-                (q[:, :, :5], *base[1:]), (q, k[:, :, :7], *base[2:]), (q.float(), *base[1:])]
+    variants = [base, (q, k, v, False, *base[4:]), (q, k, v, True, 0.5, *base[5:]), (*base[:5], 3, 0, *base[7:]),
+                (*base[:7], 30.0, None, 0.0), (*base[:8], torch.ones(4), 0.0), (*base[:9], 0.25),
+                (q[:, :, :5], *base[1:]), (q, k[:, :, :7], v[:, :, :7], *base[3:]), (q.float(), *base[1:]),
+                (q, k, v[..., :8], *base[3:])]  # v's head dim of its own: another problem
     got = [custom_ops._problem(*args) for args in variants]
     assert len(set(got)) == len(variants)
     for args, problem in zip(variants, got):

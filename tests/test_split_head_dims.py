@@ -111,7 +111,7 @@ def test_reference_path_and_compiled_operator_take_split_head_dims():
 
 
 @pytest.mark.parametrize("v_shape, words", [
-    ((1, 2, 7, 8), "head dim of v must be between"),
+    ((1, 2, 7, 8), "head dim D_v of v must be between"),
     ((1, 2, 6, 16), "same shape"),
 ])
 def test_bad_value_shapes_are_refused(v_shape, words):

@@ -557,7 +557,8 @@ def test_gpu_variants_match_float64(name, causal, options, d, h_q, h_kv):
     lens_q = _lengths(3000, 1, 900, seed=d)
     lens_k = [max(0, n + delta) for n, delta in zip(lens_q, [0, 37, -50, 0, 300, -1] * len(lens_q))]
     lens_q[1] = 0
-    options = {k: (v * 40 if k == "window" and None not in v else v) for k, v in options.items()}  # wider windows
+    options = {k: (tuple(w * 40 for w in v) if k == "window" and None not in v else v)  # wider windows
+               for k, v in options.items()}
     _check(lens_q, lens_k, h_q, h_kv, d, causal, torch.bfloat16, std=2.0,
            variants=_variants_of(options, len(lens_q), h_q))
 
