@@ -32,8 +32,8 @@ from kernel_cases import _check_against_reference, _empty_rows_are_zero, _inputs
 
 
 def test_hopper_forward_is_never_supported_off_hopper():
-    """Importing the Gluon module never imports Gluon or touches the driver; it declines CPU tensors
-    (and anything but float16/bfloat16, D in {64, 128, 256}, on an sm_90 GPU with Triton 3.6)."""
+    """The forward's host module declines CPU tensors without touching the driver (and anything but
+    float16/bfloat16, D in {64, 128, 256}, on an sm_90 GPU with Triton 3.6)."""
     from flashattn import hopper
 
     q, k, v = random_qkv(1, 2, 2, 8, 8, 64, dtype=torch.float16)
