@@ -224,11 +224,11 @@ def tuning(*, fwd: KernelConfig | None = None, bwd_dkdv: KernelConfig | None = N
 
 
 # --8<-- [start:gluon-dispatch]
-# The Hopper kernels in Gluon (flashattn.hopper_fwd, flashattn.hopper_bwd): head dims they are built
+# The Hopper kernels in Gluon (flashattn.hopper.fwd, flashattn.hopper.bwd): head dims they are built
 # for and beat the portable kernels at (docs/kernels/tuning-log.md#gluon-kernels-dispatched-issue-15,
 # docs/kernels/tuning-log.md#the-gluon-forward-at-d-256-issue-15). The dK/dV kernel keeps dK and dV of
 # 64 keys per warpgroup in registers, 2 * 64 * D / 128 floats per thread: at D = 256 that is 256, over
-# the 240 a thread gets. The dQ kernel in Gluon (flashattn.hopper_bwd.dq) slows the D = 64 backward
+# the 240 a thread gets. The dQ kernel in Gluon (flashattn.hopper.bwd.dq) slows the D = 64 backward
 # and speeds up the D = 128 and 256 ones (256 in 32-key steps), so it runs at 128 and 256
 # (docs/kernels/tuning-log.md#a-dq-kernel-in-gluon-issue-15-built-not-dispatched,
 # docs/kernels/tuning-log.md#dq-in-gluon-at-d-256-issue-15).

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashattn import _config, hopper_bwd
+from flashattn import _config, hopper
 from flashattn.device_helpers import (
     LOG2E, backward_query_range, dq_key_range, dropout_keep, packed_tile, program_tile, score_mods, tile_mask,
     window_dq_key_range, window_query_range,
@@ -500,8 +500,8 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
     if replayed is not None:
         return replayed[:3]
     # dK/dV and dQ by the Hopper kernels in Gluon (large plain problems on sm_90, _config.gluon_kernel)
-    gluon_dkdv = not p.varlen and _config.gluon_kernel("bwd_dkdv", p, q.device) and hopper_bwd.available()
-    gluon_dq = not p.varlen and _config.gluon_kernel("bwd_dq", p, q.device) and hopper_bwd.dq_available()
+    gluon_dkdv = not p.varlen and _config.gluon_kernel("bwd_dkdv", p, q.device) and hopper.bwd.available()
+    gluon_dq = not p.varlen and _config.gluon_kernel("bwd_dq", p, q.device) and hopper.bwd.dq_available()
     record = recording(key)
     if p.varlen:
         dq, dk, dv = dense_like(q), dense_like(k), dense_like(v)
@@ -542,7 +542,7 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
 
     def run_dkdv(plan: _config.Plan | None, record=None):
         if plan is None:  # the Hopper kernel in Gluon, whose tiles are its own
-            hopper_bwd.dkdv(q, k, v, do, lse2, delta, dk_view, dv_view, p.causal, p.scale, record=record)
+            hopper.bwd.dkdv(q, k, v, do, lse2, delta, dk_view, dv_view, p.causal, p.scale, record=record)
             return
         cfg = plan.config
         offsets = tile_offsets(cu_k, cfg.block_n) if p.varlen else delta
@@ -557,7 +557,7 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
 
     def run_dq(plan: _config.Plan | None, record=None):
         if plan is None:  # the Hopper kernel in Gluon
-            hopper_bwd.dq(q, k, v, do, lse2, delta, dq_view, p.causal, p.scale, record=record)
+            hopper.bwd.dq(q, k, v, do, lse2, delta, dq_view, p.causal, p.scale, record=record)
             return
         cfg = plan.config
         offsets = tile_offsets(cu_q, cfg.block_m) if p.varlen else delta

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashattn import _config, hopper_fwd
+from flashattn import _config, hopper
 from flashattn.device_helpers import (
     LN2, LOG2E, dropout_keep, forward_key_range, packed_tile, program_tile, score_mods, tile_mask,
     window_key_range,
@@ -255,11 +255,10 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: P
     if replayed is not None:
         return replayed
     record = recording(key)
-    if not p.varlen and p.head_dim_v == p.head_dim and _config.gluon_kernel("fwd", p, q.device) \
-            and hopper_fwd.available():
+    if not p.varlen and _config.gluon_kernel("fwd", p, q.device) and hopper.fwd.available():
         # the Hopper forward in Gluon (large plain problems on sm_90, flashattn._config.gluon_kernel);
         # it makes its inputs TMA-readable itself (a copy it makes is no input: then nothing is kept)
-        o, lse = hopper_fwd.forward(q, k, v, p.causal, p.scale, out=dense_like(q), record=record)
+        o, lse = hopper.fwd.forward(q, k, v, p.causal, p.scale, out=dense_like(q), record=record)
         if record is not None:
             record.keep(inputs, (o, lse), free, shared=(0, 1, 2))
         return o, lse

@@ -68,13 +68,13 @@ def _empty_rows_are_zero(causal, n, m, o, lse, dq):
 
 
 def _stub_gluon_forward_launch(monkeypatch, launches: list) -> None:
-    """hopper_fwd.forward's host code without a GPU: the kernel, the descriptors and a 132-SM count
+    """hopper.fwd.forward's host code without a GPU: the kernel, the descriptors and a 132-SM count
     stubbed, each launch's positional arguments appended to ``launches``."""
-    from flashattn import _config, hopper_fwd
+    from flashattn import _config, hopper
 
-    monkeypatch.setattr(hopper_fwd, "_get_kernel", lambda: "kernel")
-    monkeypatch.setattr(hopper_fwd, "descriptor", lambda t, rows: ("desc", rows))
-    monkeypatch.setattr(hopper_fwd, "launch", lambda *a, **k: launches.append(a))
+    monkeypatch.setattr(hopper.fwd, "_get_kernel", lambda: "kernel")
+    monkeypatch.setattr(hopper.fwd, "descriptor", lambda t, rows: ("desc", rows))
+    monkeypatch.setattr(hopper.fwd, "launch", lambda *a, **k: launches.append(a))
     monkeypatch.setattr(_config, "_sm_count", lambda index: 132)
 
 

@@ -1,4 +1,4 @@
-"""The Gluon kernels for sm_90 (flashattn.hopper_fwd, flashattn.hopper_bwd).
+"""The Gluon kernels for sm_90 (flashattn.hopper).
 
 Against float64, by the error ratio of tests/test_kernels_numerics.py, at D = 64, 128 and 256: the
 forward called directly, and forward and backward through the package's dispatch, with the work bar
@@ -32,12 +32,77 @@ from kernel_cases import _check_against_reference, _empty_rows_are_zero, _inputs
 
 
 def test_hopper_forward_is_never_supported_off_hopper():
-    """Importing the Gluon module never imports Gluon or touches the driver; it declines CPU tensors
-    (and anything but float16/bfloat16, D in {64, 128, 256}, on an sm_90 GPU with Triton 3.6)."""
-    from flashattn import hopper_fwd
+    """The forward's host module declines CPU tensors without touching the driver (and anything but
+    float16/bfloat16, D in {64, 128, 256}, on an sm_90 GPU with Triton 3.6)."""
+    from flashattn import hopper
 
     q, k, v = random_qkv(1, 2, 2, 8, 8, 64, dtype=torch.float16)
-    assert not hopper_fwd.supported(q, k, v, True)
+    assert not hopper.fwd.supported(q, k, v, True)
+
+
+# Imports the package, the launchers and the Hopper host modules, runs a forward and backward on the
+# CPU under the interpreter, then prints which Gluon modules (Triton's, the kernel modules) are loaded.
+_GLUON_PROBE = """
+import sys
+{before}
+import torch
+import flashattn, flashattn.forward, flashattn.backward
+from flashattn import hopper
+from flashattn.api import attention
+q, k, v = (torch.randn(1, 2, 16, 64, requires_grad=True) for _ in range(3))
+attention(q, k, v, causal=True).sum().backward()
+assert not hopper.fwd.supported(q, k, v, True)
+{after}
+print(sorted(m for m, mod in sys.modules.items() if mod is not None and
+             m.startswith(("triton.experimental.gluon", "flashattn.hopper.fwd_kernels",
+                           "flashattn.hopper.bwd_kernels", "flashattn.hopper.common"))))
+"""
+
+
+def _gluon_modules_loaded(before: str = "", after: str = "") -> list[str]:
+    import ast
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    proc = subprocess.run([sys.executable, "-c", _GLUON_PROBE.format(before=before, after=after)],
+                          capture_output=True, text=True, timeout=600, cwd=root, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+
+
+def test_importing_and_running_the_package_off_hopper_never_imports_gluon():
+    """In a fresh process under the interpreter (a CPU-only machine's case): importing flashattn,
+    its launchers and the Hopper host modules, and a forward and backward through the package,
+    import neither Gluon nor the kernel modules, which only a Gluon launch imports."""
+    assert _gluon_modules_loaded() == []
+
+
+def test_the_hopper_host_modules_work_on_a_triton_without_gluon():
+    """With ``triton.experimental.gluon`` unimportable, the package imports and runs, the Hopper
+    kernels report themselves unavailable and the lazy import keeps its error instead of raising."""
+    loaded = _gluon_modules_loaded(
+        before="sys.modules['triton.experimental.gluon'] = None  # import raises ImportError",
+        after="assert hopper.fwd._get_kernel() is None and isinstance(hopper.fwd._get_kernel.error, ImportError)\n"
+              "assert hopper.bwd._get_dq_kernel() is None\n"
+              "assert not (hopper.fwd.available() or hopper.bwd.available() or hopper.bwd.dq_available())")
+    assert loaded == []
+
+
+def test_the_gluon_probe_sees_the_lazy_import():
+    """Negative control of the two tests above: the same probe, after the host module's lazy import
+    of its kernel (what the first Gluon launch runs), sees Gluon and the kernel modules loaded."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton.experimental.gluon") is None:
+        pytest.skip("this Triton has no Gluon")
+    loaded = _gluon_modules_loaded(after="assert hopper.fwd._get_kernel() is not None")
+    assert {"triton.experimental.gluon", "flashattn.hopper.fwd_kernels", "flashattn.hopper.common"} <= set(loaded)
+    assert "flashattn.hopper.bwd_kernels" not in loaded  # the backward's module waits for its own launch
 
 
 @gpu
@@ -52,19 +117,19 @@ def test_hopper_forward_is_never_supported_off_hopper():
     (1, 2, 1, 130, 3, False, "bnhd", 1.0),
 ])
 def test_hopper_forward_matches_float64(dtype, d, b, h_q, h_kv, n, m, causal, layout, std):
-    from flashattn import hopper_fwd
+    from flashattn import hopper
 
     q, k, v = random_qkv(b, h_q, h_kv, n, m, d, dtype=dtype, device="cuda", layout=layout, std=std)
-    if not hopper_fwd.supported(q, k, v, causal):
+    if not hopper.fwd.supported(q, k, v, causal):
         pytest.skip("the Gluon forward runs on sm_90 with Triton 3.6 only")
-    o, lse = hopper_fwd.forward(q, k, v, causal)
+    o, lse = hopper.fwd.forward(q, k, v, causal)
     o64, lse64 = naive_attention(q.double(), k.double(), v.double(), causal=causal)
     o16, lse16 = naive_attention(q, k, v, causal=causal)
     assert_close_ratio("o", o, o64, o16)
     assert_close_ratio("lse", lse, lse64, lse16.float())
 
 
-_WALKS = {  # hopper_fwd.forward's knobs for each way of walking the query blocks
+_WALKS = {  # hopper.fwd.forward's knobs for each way of walking the query blocks
     "static": dict(persistent=True, dynamic=False),
     "static, sections of 3": dict(persistent=True, dynamic=False, section=3),
     "dynamic": dict(persistent=True, dynamic=True),
@@ -93,19 +158,19 @@ def test_hopper_forward_persistent_matches_float64_and_one_cta_per_block(monkeyp
     or two Q buffers) gives the same bits as one CTA per block, and float64's answer, with either
     mask and where blocks have unequal work; a dynamic walk twice in a row gives them again, drawing
     from one counter that no call zeroes (handed to it here): its last draw leaves it at zero."""
-    from flashattn import device_helpers, launch as launch_mod, tensors, hopper_fwd
+    from flashattn import device_helpers, launch as launch_mod, tensors, hopper
 
     if _WALKS[walk].get("q_buffers") == 2 and d > 128:
         pytest.skip("two Q buffers fit shared memory up to D = 128")
     q, k, v = random_qkv(b, h_q, h_kv, n, m, d, dtype=torch.bfloat16, device="cuda")
-    if not hopper_fwd.supported(q, k, v, causal):
+    if not hopper.fwd.supported(q, k, v, causal):
         pytest.skip("the Gluon forward runs on sm_90 with Triton 3.6 only")
-    o1, lse1 = hopper_fwd.forward(q, k, v, causal, persistent=False)
+    o1, lse1 = hopper.fwd.forward(q, k, v, causal, persistent=False)
     counter = tensors.tile_counter(q.device)
     if _WALKS[walk]["dynamic"]:
         monkeypatch.setattr(tensors, "tile_counter", lambda device: counter)  # one counter for both calls
     for _ in range(2 if _WALKS[walk]["dynamic"] else 1):
-        o, lse = hopper_fwd.forward(q, k, v, causal, **_WALKS[walk])
+        o, lse = hopper.fwd.forward(q, k, v, causal, **_WALKS[walk])
         assert torch.equal(o, o1) and torch.equal(lse, lse1)
         assert counter.item() == 0
     o64, lse64 = naive_attention(q.double(), k.double(), v.double(), causal=causal)
@@ -119,13 +184,13 @@ def test_hopper_forward_persistent_matches_float64_and_one_cta_per_block(monkeyp
 def test_hopper_forward_dynamic_walks_on_two_streams_at_once_keep_their_own_counters():
     """Two causal forwards with a dynamic walk running at the same time on two streams (each call
     zeroes a counter of its own) give the bits of one CTA per block."""
-    from flashattn import hopper_fwd
+    from flashattn import hopper
 
     inputs = [random_qkv(4, 32, 8, 2048, 2048, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-    if not hopper_fwd.supported(*inputs[0], True):
+    if not hopper.fwd.supported(*inputs[0], True):
         pytest.skip("the Gluon forward runs on sm_90 with Triton 3.6 only")
-    expected = [hopper_fwd.forward(*x, True, persistent=False) for x in inputs]
-    _on_two_streams_at_once(lambda x: hopper_fwd.forward(*x, True, persistent=True, dynamic=True), inputs, expected)
+    expected = [hopper.fwd.forward(*x, True, persistent=False) for x in inputs]
+    _on_two_streams_at_once(lambda x: hopper.fwd.forward(*x, True, persistent=True, dynamic=True), inputs, expected)
 
 
 def _on_two_streams_at_once(call, inputs, expected, rounds=3):
@@ -160,13 +225,13 @@ def _walk_order(batch_heads, num_mb, causal, section):
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 def test_persistent_walk_work_counts_the_key_blocks_each_cta_visits(batch_heads, n, m, ctas, section, causal,
                                                                      dynamic):
-    """hopper_fwd.walk_work (the Hopper page's figure and numbers) against a count from the definition:
+    """hopper.fwd.walk_work (the Hopper page's figure and numbers) against a count from the definition:
     a 128-row query block visits every key block up to the last one holding a key that one of its
     rows sees (bottom-right causal alignment); the tiles come in the kernel's order (longest block
     first within sections of heads under causal); a static walk gives CTA p tiles p, p + ctas, ...,
     a dynamic one each tile to the CTA that is free first (lowest number on a tie) when every key
     block takes one unit of time."""
-    from flashattn import hopper_fwd
+    from flashattn import hopper
     from flashattn.schedule import is_visible
 
     num_mb, num_nb = -(-n // 128), -(-m // 128)
@@ -183,7 +248,7 @@ def test_persistent_walk_work_counts_the_key_blocks_each_cta_visits(batch_heads,
         p = min(range(ctas), key=lambda c: (busy_until[c], c)) if dynamic else tile % ctas
         expected[p] += per_block[mb]
         busy_until[p] += per_block[mb]
-    assert hopper_fwd.walk_work(batch_heads, n, m, ctas, causal, dynamic=dynamic, section=section) == expected
+    assert hopper.fwd.walk_work(batch_heads, n, m, ctas, causal, dynamic=dynamic, section=section) == expected
     if (batch_heads, n, causal, dynamic) == (16, 16384, True, False):  # the numbers the Hopper page quotes
         work = expected
         assert (work[0], work[64], max(work)) == (1568, 544, 1568)
@@ -195,7 +260,7 @@ def test_persistent_walk_work_counts_the_key_blocks_each_cta_visits(batch_heads,
 @settings(max_examples=200, deadline=None)
 @given(ctas=st.integers(1, 8), extra=st.integers(0, 24), seed=st.integers(0, 2**32 - 1))
 def test_dynamic_walk_draws_every_tile_once_and_its_last_draw_resets_the_counter(ctas, extra, seed):
-    """The Gluon forward's dynamic walk (hopper_fwd._fa_producer), run as a model in which each
+    """The Gluon forward's dynamic walk (hopper.fwd_kernels._fa_producer), run as a model in which each
     CTA's atomic add is one indivisible step and the CTAs' steps interleave at random: from a zero
     counter, every tile is walked exactly once; the draws number as many as the tiles and return
     0 .. tiles - 1; exactly one CTA resets the counter, after the last draw of the launch; and the
@@ -238,14 +303,14 @@ def test_hopper_forward_walks_persistently_where_it_measured_faster():
     """The default walk: persistent and static without a mask at D <= 128, one CTA per query block
     without a mask at D = 256, persistent and dynamic under causal; sections of about one query
     block per CTA."""
-    from flashattn import hopper_fwd
+    from flashattn import hopper
 
-    assert hopper_fwd.schedule_default(64, False) == hopper_fwd.schedule_default(128, False) == (True, False)
-    assert hopper_fwd.schedule_default(256, False) == (False, False)
-    assert all(hopper_fwd.schedule_default(d, True) == (True, True) for d in (64, 128, 256))
-    assert [hopper_fwd.section_default(256, n, 132) for n in (1024, 2048, 4096, 8192, 16384, 65536)] == [
+    assert hopper.fwd.schedule_default(64, False) == hopper.fwd.schedule_default(128, False) == (True, False)
+    assert hopper.fwd.schedule_default(256, False) == (False, False)
+    assert all(hopper.fwd.schedule_default(d, True) == (True, True) for d in (64, 128, 256))
+    assert [hopper.fwd.section_default(256, n, 132) for n in (1024, 2048, 4096, 8192, 16384, 65536)] == [
         16, 8, 4, 2, 1, 1]
-    assert hopper_fwd.section_default(3, 1024, 132) == 3 and hopper_fwd.section_default(64, 1000, 132) == 16
+    assert hopper.fwd.section_default(3, 1024, 132) == 3 and hopper.fwd.section_default(64, 1000, 132) == 16
 
 
 @pytest.mark.parametrize("d, causal, kw, grid, dynamic, section, qbufs", [
@@ -261,15 +326,15 @@ def test_hopper_forward_walks_persistently_where_it_measured_faster():
 ])
 def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d, causal, kw, grid, dynamic,
                                                                  section, qbufs):
-    """hopper_fwd.forward's host code up to the launch, on the CPU (the kernel, the descriptors and
+    """hopper.fwd.forward's host code up to the launch, on the CPU (the kernel, the descriptors and
     the SM count stubbed): the grid, the walk's constexprs (the Q buffers included), the section and
     for a dynamic walk a zeroed counter of its own, which a recording keeps as the call's counter."""
-    from flashattn import device_helpers, launch as launch_mod, tensors, hopper_fwd
+    from flashattn import device_helpers, launch as launch_mod, tensors, hopper
 
     launches = []
     _stub_gluon_forward_launch(monkeypatch, launches)
     q, k, v = (torch.randn(32, 8, 1024, d, dtype=torch.bfloat16) for _ in range(3))
-    o, lse = hopper_fwd.forward(q, k, v, causal, **kw)
+    o, lse = hopper.fwd.forward(q, k, v, causal, **kw)
     assert o.shape == q.shape and lse.shape == (32, 8, 1024)
     [(kernel, launched_grid, args, constexprs)] = launches
     assert kernel == "kernel" and launched_grid == grid
@@ -279,7 +344,7 @@ def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d,
     if dynamic:
         assert counter.dtype == torch.int32 and counter.tolist() == [0] and counter is not lse
         record = launch_mod.Recording("key")
-        hopper_fwd.forward(q, k, v, causal, record=record, **kw)
+        hopper.fwd.forward(q, k, v, causal, record=record, **kw)
         again = launches[-1][2][5]
         assert again.tolist() == [0] and again is not counter  # a counter per call
         assert record.counters == [again]  # a recipe made from it makes each replay's own
@@ -288,29 +353,29 @@ def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d,
 @pytest.mark.parametrize("which, d", [("dkdv", 128), ("dq", 128), ("dq", 256)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_backward_host_code_launches_one_cta_per_block(monkeypatch, which, d, causal):
-    """hopper_bwd.dkdv's and hopper_bwd.dq's host code up to the launch, on the CPU (the kernels and
+    """hopper.bwd.dkdv's and hopper.bwd.dq's host code up to the launch, on the CPU (the kernels and
     the descriptors stubbed): one CTA per block of keys (dK/dV) or of 128 query rows (dQ), the scale
     in base 2 and as given, the outputs described for TMA; dQ's K and V tiles of 64 keys, and of 32 at
     D = 256 (what fits shared memory there)."""
-    from flashattn import hopper_bwd, hopper_fwd
+    from flashattn import hopper
     from flashattn.constants import LOG2E
 
     launches = []
     for name in ("_get_kernel", "_get_dq_kernel"):
-        monkeypatch.setattr(hopper_bwd, name, lambda: "kernel")
-    monkeypatch.setattr(hopper_fwd, "descriptor", lambda t, rows: ("desc", t.data_ptr(), rows))
-    monkeypatch.setattr(hopper_fwd, "launch", lambda *a, **k: launches.append(a))
+        monkeypatch.setattr(hopper.bwd, name, lambda: "kernel")
+    monkeypatch.setattr(hopper.fwd, "descriptor", lambda t, rows: ("desc", t.data_ptr(), rows))
+    monkeypatch.setattr(hopper.fwd, "launch", lambda *a, **k: launches.append(a))
     b, hq, hkv, n, m = 2, 8, 2, 1000, 700
     q, do = (torch.randn(b, hq, n, d, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(b, hkv, m, d, dtype=torch.bfloat16) for _ in range(2))
     lse2, delta = (torch.zeros(b, hq, n) for _ in range(2))
     if which == "dkdv":
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-        hopper_bwd.dkdv(q, k, v, do, lse2, delta, dk, dv, causal, 0.125)
-        outputs, grid = (dk, dv), -(-m // hopper_bwd.BLOCK_N) * b * hkv
+        hopper.bwd.dkdv(q, k, v, do, lse2, delta, dk, dv, causal, 0.125)
+        outputs, grid = (dk, dv), -(-m // hopper.bwd.BLOCK_N) * b * hkv
     else:
         dq = torch.empty_like(q)
-        hopper_bwd.dq(q, k, v, do, lse2, delta, dq, causal, 0.125)
+        hopper.bwd.dq(q, k, v, do, lse2, delta, dq, causal, 0.125)
         outputs, grid = (dq,), -(-n // 128) * b * hq
     [(kernel, launched_grid, args, constexprs)] = launches
     assert kernel == "kernel" and launched_grid == grid and constexprs["CAUSAL"] == causal
@@ -319,8 +384,8 @@ def test_hopper_backward_host_code_launches_one_cta_per_block(monkeypatch, which
     assert args[-2:] == (0.125 * LOG2E, 0.125) and all(any(a is x for a in args) for x in (lse2, delta))
     if which == "dq":
         keys = {a[2] for a in args if isinstance(a, tuple) and a[0] == "desc" and a[1] in (k.data_ptr(), v.data_ptr())}
-        assert keys == {32 if d == 256 else hopper_bwd.DQ_BLOCK_N} and constexprs["BLOCK_N"] == keys.pop()
-        assert constexprs["STAGES"] == hopper_bwd.DQ_STAGES
+        assert keys == {32 if d == 256 else hopper.bwd.DQ_BLOCK_N} and constexprs["BLOCK_N"] == keys.pop()
+        assert constexprs["STAGES"] == hopper.bwd.DQ_STAGES
 
 
 # (B, Hq, Hkv, N, M, causal, layout, logit scale) of the Gluon kernels' float64 checks

@@ -305,7 +305,7 @@ def test_calls_keep_no_tensor_past_their_end(monkeypatch):
     and replayed calls, and the Gluon causal forward's host code (its kernel stubbed), on the CPU with
     benchmarks.hostcost's no-op launches."""
     from benchmarks import hostcost
-    from flashattn import device_helpers, launch as launch_mod, tensors, hopper_fwd
+    from flashattn import device_helpers, launch as launch_mod, tensors, hopper
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the tool refuses the interpreter; kernels count as compiled
     _stub_gluon_forward_launch(monkeypatch, [])
@@ -323,7 +323,7 @@ def test_calls_keep_no_tensor_past_their_end(monkeypatch):
             flashattn.attention_with_kvcache(q, *cache, cache_seqlens=70, num_splits=2)
         q, k, v = (torch.randn(4, 8, 512, 128, dtype=torch.bfloat16, generator=gen) for _ in range(3))
         record = launch_mod.Recording("gluon")
-        hopper_fwd.forward(q, k, v, True, record=record)  # a dynamic walk: its tile counter
+        hopper.fwd.forward(q, k, v, True, record=record)  # a dynamic walk: its tile counter
         del record, q, k, v, o, lse, cache
         assert launch_mod._RECIPES  # recipes were kept, and hold no tensor
         assert _tensors_kept_by_the_package() == []

@@ -256,26 +256,26 @@ def test_window_figure_follows_the_schedule(monkeypatch):
 
 
 def test_timeline_figure_follows_the_dkdv_kernel_switches(monkeypatch):
-    """The warpgroup timeline schedules hopper_bwd's step with its STAGES and OVERLAP: without the
+    """The warpgroup timeline schedules flashattn.hopper.bwd's step with its STAGES and OVERLAP: without the
     overlap every dV product is issued after its dS^T is done, with it before; with one ring slot the
     second tile is loaded only after both consumers finished the first step."""
     sys.path.insert(0, str(DOCS / "hooks"))
     import figures
-    from flashattn import hopper_bwd
+    from flashattn import hopper
 
     def ops(name):
         return {(o, s): (ready, t0, t1) for n, u, o, s, ready, t0, t1 in figures.dkdv_schedule() if n.startswith(name)}
 
-    monkeypatch.setattr(hopper_bwd, "OVERLAP", False)
+    monkeypatch.setattr(hopper.bwd, "OVERLAP", False)
     dv, ds = ops("dV"), ops("dS")
     assert len(dv) >= 4 and dv.keys() == ds.keys()  # both consumers, several steps, one dS^T per dV
     assert all(dv[key][0] >= ds[key][2] for key in dv)  # dV issued once dS^T is done
-    monkeypatch.setattr(hopper_bwd, "OVERLAP", True)
+    monkeypatch.setattr(hopper.bwd, "OVERLAP", True)
     dv, ds = ops("dV"), ops("dS")
     assert len(dv) >= 4 and dv.keys() == ds.keys()
     assert all(dv[key][0] < ds[key][2] for key in dv)  # dV issued before dS^T is done
     for stages in (1, 2):
-        monkeypatch.setattr(hopper_bwd, "STAGES", stages)
+        monkeypatch.setattr(hopper.bwd, "STAGES", stages)
         loads, dk = ops("Q, dO"), ops("dK")
         first_step_done = max(dk[(0, 0)][2], dk[(1, 0)][2])
         assert (loads[("producer", 1)][1] >= first_step_done) == (stages == 1)

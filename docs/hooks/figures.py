@@ -455,13 +455,13 @@ def packing() -> str:
 
 def dkdv_schedule(steps: int = 3) -> list[tuple]:
     """The Gluon dK/dV kernel's partitions on one SM, as a list schedule of the operations of
-    :mod:`flashattn.hopper_bwd`'s step in their program order, with its ring depth (``STAGES``) and
+    :mod:`flashattn.hopper.bwd`'s step in their program order, with its ring depth (``STAGES``) and
     its ``OVERLAP`` switch read from the module: (name, unit, owner, step, issued, start, finish) per
     operation, where ``issued`` is when its inputs were ready (a product waits after that for the
     tensor cores, which take products in the order they were issued). Durations are units, not
     measurements: at D = 128 the four products of a step have the same size (64 x 64 x 128
     multiply-adds), so they get one unit each; the exponentials and dS^T get less, a TMA tile load 0.8."""
-    from flashattn import hopper_bwd as hb
+    from flashattn.hopper import bwd as hb
 
     mma, exp_t, ds_t, load_t = 1.0, 0.6, 0.4, 0.8
     ops = []  # (name, unit, duration, deps, owner, step)
@@ -510,7 +510,7 @@ def dkdv_schedule(steps: int = 3) -> list[tuple]:
 
 def warpgroup_timeline() -> str:
     """:func:`dkdv_schedule` drawn as one row per partition and one for the tensor cores."""
-    from flashattn import hopper_bwd as hb
+    from flashattn.hopper import bwd as hb
 
     steps = 3
     schedule_ = dkdv_schedule(steps)
@@ -545,9 +545,9 @@ def warpgroup_timeline() -> str:
 
 def persistent_walk() -> str:
     """Key blocks per CTA when 132 persistent CTAs walk the forward's query blocks in the kernel's
-    order (flashattn.hopper_fwd.walk_work): statically without a mask and with the causal one, and
+    order (flashattn.hopper.fwd.walk_work): statically without a mask and with the causal one, and
     dynamically with the causal one (the default there), every key block taking the same time."""
-    from flashattn.hopper_fwd import section_default, walk_work
+    from flashattn.hopper.fwd import section_default, walk_work
 
     heads, n, ctas = 16, 16384, 132
     section = section_default(heads, n, ctas)

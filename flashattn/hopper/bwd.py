@@ -1,0 +1,118 @@
+"""Host side of the Hopper-only (sm_90a) kernels of the backward pass written in Gluon, for Triton 3.6.
+
+    bwd.dkdv(q, k, v, do, lse2, delta, dk, dv, causal, scale)   # fills dk, dv in place
+    bwd.dq(q, k, v, do, lse2, delta, dq, causal, scale)         # fills dq in place
+
+The kernels and their design are in :mod:`flashattn.hopper.bwd_kernels`: dK/dV for plain attention
+(no variant, dense inputs), and dQ (:func:`dq`, laid out like the forward: one CTA per 128 query
+rows), dispatched at D = 128 and 256 (``flashattn._config.GLUON_HEAD_DIMS``). Importing this module
+never imports Gluon: the kernel module is imported at the first launch, where :func:`available` and
+:func:`dq_available` say this Triton can define the kernels.
+"""
+
+from __future__ import annotations
+
+from flashattn.hopper import fwd
+
+BLOCK_N = 128          # key rows per CTA (two consumer warpgroups of 64 rows)
+HALF_N = 64            # key rows per consumer warpgroup
+BLOCK_M = 64           # query rows per step
+STAGES = 2             # Q/dO ring depth
+OVERLAP = True         # dV's product in flight while dS^T is computed
+HEAD_DIMS = (64, 128)  # built for both; dispatched at 128 (flashattn._config.GLUON_HEAD_DIMS)
+# the register split and the launch (maxnreg) are flashattn.hopper.fwd's: 24 for the producer, 240 per consumer
+
+
+def _load_kernel():
+    """The dK/dV kernel, from the module that defines it at module scope (importing Gluon)."""
+    from flashattn.hopper import bwd_kernels
+
+    return bwd_kernels._dkdv_kernel
+
+
+_get_kernel = fwd.LazyKernel(_load_kernel)
+
+
+def available() -> bool:
+    """Whether the kernel can be built with the Triton installed here (Gluon of Triton 3.6)."""
+    return _get_kernel.available()
+
+
+def dkdv(q, k, v, do, lse2, delta, dk, dv, causal: bool, scale: float, stages: int | None = None,
+         overlap: bool | None = None, record=None) -> None:
+    """Fill ``dk`` and ``dv`` (laid out like k and v, head dim contiguous) for plain attention.
+
+    q, do (B, Hq, N, D); k, v (B, Hkv, M, D), float16 or bfloat16, head dim contiguous and 16-byte
+    aligned strides (TMA); ``lse2`` and ``delta`` float32 contiguous (B, Hq, N) from the backward's
+    preprocess kernel; ``scale`` > 0 is the softmax scale. A ``record`` keeps the launch for a recipe."""
+    from flashattn.tensors import ceil_div
+    from flashattn.constants import LOG2E
+
+    kernel = _get_kernel()
+    if kernel is None:
+        raise RuntimeError(f"Gluon Hopper dK/dV kernel unavailable: {_get_kernel.error!r}")
+    B, Hq, N, D = q.shape
+    _, Hkv, M, _ = k.shape
+    assert D in HEAD_DIMS and scale > 0
+    describe = fwd.descriptor
+    fwd.launch(kernel, ceil_div(M, BLOCK_N) * B * Hkv,
+               (describe(q, BLOCK_M), describe(k, HALF_N), describe(v, HALF_N), describe(do, BLOCK_M),
+                describe(dk, HALF_N), describe(dv, HALF_N), lse2, delta,
+                Hq, Hkv, Hq // Hkv, N, M, float(scale) * LOG2E, float(scale)),
+               dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages or STAGES, CAUSAL=bool(causal),
+                    OVERLAP=OVERLAP if overlap is None else bool(overlap),
+                    PRODUCER_REGS=fwd.PRODUCER_REGS, CONSUMER_REGS=fwd.CONSUMER_REGS),
+               record=record)
+
+
+# dQ in Gluon: one CTA per 128 query rows of one (batch, query head), built like the forward (two
+# consumer warpgroups of 64 rows, a TMA producer warp, a K/V ring); dispatched at D = 128 and 256.
+DQ_BLOCK_N = 64        # keys per step
+DQ_STAGES = 3          # K/V ring depth: K_j stays in its slot until dQ += dS_j K_j completes, a step later
+DQ_HEAD_DIMS = (64, 128, 256)
+# at D = 256, 32-key steps: beside the Q and dO halves (128 KiB), a ring of 64-key K and V tiles takes
+# 64 KiB a stage, over the 227 KiB a CTA can have from two stages; 32-key ones in three stages: 224 KiB
+DQ_BLOCK_N_256 = 32
+
+
+def _load_dq_kernel():
+    """The dQ kernel, from the module that defines it at module scope (importing Gluon)."""
+    from flashattn.hopper import bwd_kernels
+
+    return bwd_kernels._dq_kernel
+
+
+_get_dq_kernel = fwd.LazyKernel(_load_dq_kernel)
+
+
+def dq_available() -> bool:
+    """Whether the Gluon dQ kernel can be built with the Triton installed here (Gluon of Triton 3.6)."""
+    return _get_dq_kernel.available()
+
+
+def dq(q, k, v, do, lse2, delta, dq_out, causal: bool, scale: float, block_n: int | None = None,
+       stages: int | None = None, record=None) -> None:
+    """Fill ``dq_out`` (laid out like q, head dim contiguous) for plain attention; the inputs are those
+    of :func:`dkdv`. The backward runs it where ``flashattn._config.gluon_kernel("bwd_dq", ...)``
+    says so: large plain problems at D = 128 and 256, where it speeds up the backward
+    (docs/kernels/tuning-log.md#a-dq-kernel-in-gluon-issue-15-built-not-dispatched,
+    docs/kernels/tuning-log.md#dq-in-gluon-at-d-256-issue-15). A ``record`` keeps the launch for a recipe."""
+    from flashattn.tensors import ceil_div
+    from flashattn.constants import LOG2E
+
+    kernel = _get_dq_kernel()
+    if kernel is None:
+        raise RuntimeError(f"Gluon Hopper dQ kernel unavailable: {_get_dq_kernel.error!r}")
+    B, Hq, N, D = q.shape
+    _, Hkv, M, _ = k.shape
+    assert D in DQ_HEAD_DIMS and scale > 0
+    block_n = block_n or (DQ_BLOCK_N_256 if D == 256 else DQ_BLOCK_N)
+    describe = fwd.descriptor
+    # laid out per query block like the forward: 128 rows per CTA, 64 per consumer warpgroup
+    fwd.launch(kernel, ceil_div(N, fwd.BLOCK_M) * B * Hq,
+               (describe(q, fwd.HALF_M), describe(k, block_n), describe(v, block_n),
+                describe(do, fwd.HALF_M), describe(dq_out, fwd.HALF_M), lse2, delta,
+                Hq, Hq // Hkv, N, M, float(scale) * LOG2E, float(scale)),
+               dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages or DQ_STAGES, CAUSAL=bool(causal),
+                    PRODUCER_REGS=fwd.PRODUCER_REGS, CONSUMER_REGS=fwd.CONSUMER_REGS),
+               record=record)
