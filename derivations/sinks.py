@@ -375,7 +375,7 @@ def check() -> CheckResult:
         return -sink_grad_row(sink, lse, delta, dlse, exp)
 
     def dlse_left_out(sink, lse, delta, dlse, exp):
-        return exp(sink - lse) * (0 * dlse - delta)
+        return -exp(sink - lse) * delta  # the gradient through LSE' forgotten
 
     def delta_sink_free(plain, final):
         return plain[0], final[1]  # δ from the output before the sink rescaled it
@@ -383,17 +383,16 @@ def check() -> CheckResult:
     def p_sink_free(plain, final):
         return final[0], plain[1]  # P recomputed from the LSE without the sink
 
-    for name, fwd, row, feed in (("O' = O, the sink in the LSE only", sink_in_lse_only, sink_grad_row, backward_inputs),
-                                 ("O' = e^(s − LSE')·O", sinks_share, sink_grad_row, backward_inputs),
-                                 ("LSE' = LSE, the sink left out", lse_without_sink, sink_grad_row, backward_inputs),
-                                 ("δ from the sink-free O", with_sink, sink_grad_row, delta_sink_free),
-                                 ("P from the sink-free LSE", with_sink, sink_grad_row, p_sink_free),
-                                 ("∂L/∂s with its sign flipped", with_sink, sign_flipped, backward_inputs),
-                                 ("∂L/∂s without dLSE", with_sink, dlse_left_out, backward_inputs)):
-        symbolic = (lambda: symbolic_forward_route(fwd)) if row is sink_grad_row and feed is backward_inputs \
-            else (lambda: symbolic_backward_route(fwd, row, feed))
-        ledger.control(f"{name}: symbolic", lambda symbolic=symbolic: not symbolic())
-        ledger.control(f"{name}: torch", lambda: not torch_route(*torch_forms(fwd, row), feed))
+    for name, fwd in (("O' = O, the sink in the LSE only", sink_in_lse_only), ("O' = e^(s − LSE')·O", sinks_share),
+                      ("LSE' = LSE, the sink left out", lse_without_sink)):
+        ledger.control(f"{name}: symbolic", lambda: not symbolic_forward_route(fwd))
+        ledger.control(f"{name}: torch", lambda: not torch_route(*torch_forms(fwd, sink_grad_row), backward_inputs))
+    for name, row, feed in (("δ from the sink-free O", sink_grad_row, delta_sink_free),
+                            ("P from the sink-free LSE", sink_grad_row, p_sink_free),
+                            ("∂L/∂s with its sign flipped", sign_flipped, backward_inputs),
+                            ("∂L/∂s without dLSE", dlse_left_out, backward_inputs)):
+        ledger.control(f"{name}: symbolic", lambda: not symbolic_backward_route(with_sink, row, feed))
+        ledger.control(f"{name}: torch", lambda: not torch_route(*torch_forms(with_sink, row), feed))
     # --8<-- [end:negative]
     sizes = ("symbolic rows of 3 keys, backward 2×2×1 and 1×3×2; torch 2×(4:2)×7×5 causal, 1×(2:1)×6×9 with "
              "window, softcap, ALiBi, dropout, packed (3,5) (0,2) (4,0) (2,3) at d = 16")
