@@ -240,7 +240,8 @@ def run(packs: int, head_dims, providers, device, window: int | None = None, ben
                         row["status"] = "ok"
                         for mode, ms in times.items():
                             row[f"{mode}_ms"] = ms
-                            row[f"{mode}_tflops"] = pack_flops(lengths, heads, d, causal, mode, window) / (ms * 1e-3) / 1e12
+                            flops = pack_flops(lengths, heads, d, causal, mode, window)
+                            row[f"{mode}_tflops"] = flops / (ms * 1e-3) / 1e12
                     except Unsupported as exc:
                         row.update(status="unsupported", error=str(exc))
                     except Exception as exc:  # a provider that cannot run this point is recorded, not fatal

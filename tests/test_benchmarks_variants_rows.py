@@ -105,7 +105,7 @@ def test_varlen_window_mask_is_the_reference_visibility(window):
 
 
 def test_varlen_window_providers_pass_the_check_and_sdpa_is_unsupported():
-    lengths, cu = [9, 20, 4], [0, 9, 29, 33]
+    lengths = [9, 20, 4]
     q, k, v = (torch.randn(33, 2, 16, dtype=torch.float16).requires_grad_() for _ in range(3))
     do = torch.randn(33, 2, 16, dtype=torch.float16)
     plain = varlen.references(q.detach(), k.detach(), v.detach(), lengths, True)[0]
