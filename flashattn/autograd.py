@@ -158,7 +158,9 @@ def with_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, packed: 
     (total, Hq, D) packed, lse (B, Hq, N) or (Hq, total) (docs/math/sinks.md)."""
     lse_w = _wide(lse)
     lse_sink = torch.logaddexp(lse_w, _row_shape(sinks.to(lse_w.dtype), packed))
-    shrink = torch.exp(lse_w - lse_sink)  # in [0, 1]: the share of the row's mass its keys keep
+    # in [0, 1]: the share of the row's mass its keys keep; 0 for a row with no key and a sink of -inf,
+    # where lse = lse' = -inf would give -inf - (-inf) = NaN
+    shrink = torch.where(lse_sink == float("-inf"), 0.0, torch.exp(lse_w - lse_sink))
     shrink = shrink.transpose(0, 1)[..., None] if packed else shrink[..., None]
     return (_wide(o) * shrink.to(_wide(o).dtype)).to(o.dtype), lse_sink.to(lse.dtype)
 
@@ -174,6 +176,7 @@ def sinks_grad(do, o, lse, dlse, sinks: torch.Tensor, packed: bool) -> torch.Ten
     if dlse is not None:
         delta = delta - dlse.to(delta.dtype)
     p_sink = torch.exp(_row_shape(sinks.to(lse_w.dtype), packed) - lse_w)
+    p_sink = torch.where(lse_w == float("-inf"), 0.0, p_sink)  # no key and a sink of -inf: nothing flows
     dims = (1,) if packed else (0, 2)
     return -(p_sink * delta.to(lse_w.dtype)).sum(dims).to(sinks.dtype)
 # --8<-- [end:sinks]

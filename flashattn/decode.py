@@ -133,7 +133,7 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal, scale, b
 
 
 def _check_lengths(seq_lens: torch.Tensor, block_table, p: Problem, num_pages: int, cache_leftpad=None,
-                   cache_batch_idx=None, entries: int = 0):
+                   cache_batch_idx=None, entries: int = 0, rotary_rows: int = 0):
     """The checks that need the lengths' values: one small reduction and one device sync.
 
     Skipped while a CUDA graph is being captured (a sync is not allowed there); a graph's inputs
@@ -152,6 +152,9 @@ def _check_lengths(seq_lens: torch.Tensor, block_table, p: Problem, num_pages: i
                  else seq_lens.new_zeros(()))
     stats.append(((cache_batch_idx < 0) | (cache_batch_idx >= entries)).sum() if cache_batch_idx is not None
                  else seq_lens.new_zeros(()))
+    # the last rotary position: cache_seqlens - cache_leftpad + max(Nq, Nnew) - 1
+    start = seq_lens.long() - (cache_leftpad.long() if cache_leftpad is not None else 0)
+    stats.append((start + max(p.n, p.n_new) > rotary_rows).sum() if rotary_rows else seq_lens.new_zeros(()))
     values = torch.stack([x.long() for x in stats]).tolist()
     if values[0] < 0:
         raise ValueError(f"cache_seqlens must be non-negative, got a minimum of {values[0]}")
@@ -164,6 +167,9 @@ def _check_lengths(seq_lens: torch.Tensor, block_table, p: Problem, num_pages: i
         raise ValueError("cache_leftpad must lie in [0, cache_seqlens[b]] for every sequence")
     if values[4]:
         raise ValueError(f"cache_batch_idx must lie in [0, {entries}), the cache's entries")
+    if values[5]:
+        raise ValueError(f"rotary_cos has {rotary_rows} rows, fewer than the positions the call rotates "
+                         "(up to cache_seqlens - cache_leftpad + max(Nq, Nnew) - 1)")
 
 
 # --8<-- [start:decode-append]
@@ -330,11 +336,18 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                        rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad, cache_batch_idx)
     general = (window is not None or softcap or alibi_slopes is not None or cache_leftpad is not None
                or cache_batch_idx is not None)
+    checked = False
     if rotary_cos is not None or general:
         seq_lens = (torch.full((p.batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
                     if is_int(cache_seqlens) else cache_seqlens)
-        _check_lengths(seq_lens, block_table, p, k_cache.shape[0], cache_leftpad, cache_batch_idx,
-                       k_cache.shape[0] if block_table is None else 0)
+        rotary_rows = 0 if rotary_cos is None else rotary_cos.shape[0]
+        if general or not is_int(cache_seqlens):  # one sync checks the lengths, the options and the table
+            _check_lengths(seq_lens, block_table, p, k_cache.shape[0], cache_leftpad, cache_batch_idx,
+                           k_cache.shape[0] if block_table is None else 0, rotary_rows)
+            checked = True
+        elif int(cache_seqlens) + max(p.n, p.n_new) > rotary_rows:  # an int: checked on the host
+            raise ValueError(f"rotary_cos has {rotary_rows} rows, fewer than the positions the call rotates "
+                             f"(up to cache_seqlens + max(Nq, Nnew) - 1 = {int(cache_seqlens) + max(p.n, p.n_new) - 1})")
         if rotary_cos is not None:
             start = seq_lens - cache_leftpad if cache_leftpad is not None else seq_lens
             same = not (causal or window is not None)
@@ -350,7 +363,6 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                 o_t, lse = with_sinks(o.transpose(1, 2), lse, sinks, packed=False)
                 o = o_t.transpose(1, 2)
             return (o, lse) if return_lse else o
-        cache_seqlens = seq_lens
     if num_splits is not None:
         num_splits = int(num_splits)  # an integral type of numpy's, say: the launchers take Python ints
     kernels = use_kernels(q)
@@ -363,7 +375,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         seq_lens = cache_seqlens if kernels else torch.full((p.batch,), cache_seqlens, dtype=torch.int32)
     else:
         seq_lens = cache_seqlens
-        _check_lengths(seq_lens, block_table, p, k_cache.shape[0])
+        if not checked:
+            _check_lengths(seq_lens, block_table, p, k_cache.shape[0])
         max_keys = p.m
     if kernels:
         # the append (when k_new is given) and the attention, in one launcher call

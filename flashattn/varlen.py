@@ -103,8 +103,8 @@ def _check_block_table(k, v, block_table, cu_seqlens_k, max_seqlen_k):
 def _gather_pages(k, v, block_table, cu_seqlens_k):
     """k and v of a paged cache as packed (total_k, Hkv, D) tensors: key j of sequence b is slot
     ``j % page_size`` of page ``block_table[b, j // page_size]``. One gather (a copy of the keys and
-    values the sequences use; autograd sends their gradients back to the pages), and one host sync for
-    total_k. Pages past a sequence's length are never read, and a page id out of range raises."""
+    values the sequences use; autograd sends their gradients back to the pages), and two host syncs (total_k,
+    then the check of the page ids). Pages past a sequence's length are never read, and a page id out of range raises."""
     num_pages, page_size = k.shape[0], k.shape[1]
     total_k = int(cu_seqlens_k[-1])
     key = torch.arange(total_k, device=k.device, dtype=torch.int32)
@@ -159,7 +159,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             (prefill against a paged KV cache) and ``cu_seqlens_k`` counts each sequence's keys, key
             ``j`` of sequence ``b`` sitting in slot ``j % page_size`` of page ``block_table[b, j //
             page_size]``. The pages a call uses are gathered into packed k, v first (one copy of them,
-            one host sync; gradients flow back to the pages), then attended as above. Eager only.
+            two host syncs; gradients flow back to the pages), then attended as above. Eager only.
         sinks: per-head sink logits (Hq,), as in :func:`flashattn.attention`, in every row of every sequence.
         validate: check the values of cu_seqlens (start 0, non-decreasing, end at the totals, lengths
             at most max_seqlen). On the CPU they are always checked; for CUDA tensors the check costs

@@ -691,6 +691,7 @@ def test_cache_options_match_their_definitions(name, causal, options):
     (dict(rotary_cos=torch.zeros(8, 9), rotary_sin=torch.zeros(8, 9)), ValueError, "rotary_dim"),
     (dict(sinks=torch.zeros(3)), ValueError, "sinks must have shape"),
     (dict(window=(-1, 0)), ValueError, "window left"),
+    (dict(rotary_cos=torch.zeros(8, 4), rotary_sin=torch.zeros(8, 4)), ValueError, "rotary_cos has 8 rows"),
 ])
 def test_bad_cache_options_are_refused(kwargs, error, words):
     q = torch.zeros(2, 1, 2, 16, device=DEVICE)
@@ -706,3 +707,23 @@ def test_bad_cache_options_are_refused(kwargs, error, words):
 @pytest.mark.parametrize("name,causal,options", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
 def test_gpu_cache_options_match_their_definitions(name, causal, options):
     test_cache_options_match_their_definitions(name, causal, options)
+
+
+def test_rotary_with_an_int_cache_seqlens_is_the_tensor_call():
+    """Rotary alone keeps the split-KV path; an int cache_seqlens gives the bits of the same lengths as a
+    tensor, and a rotary table too short for the positions is refused before anything is written."""
+    q, k_cache, v_cache, k_new, v_new = _make(2, 1, 4, 2, 32, 40, 2, torch.float16, seed=3)
+    cos, sin = _rotary_tables(64, 8, seed=2)
+    runs = []
+    for lengths in (12, torch.tensor([12, 12], dtype=torch.int32, device=DEVICE)):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        with torch.no_grad():
+            o = attention_with_kvcache(q, kc, vc, cache_seqlens=lengths, k_new=k_new, v_new=v_new, rotary_cos=cos,
+                                       rotary_sin=sin)
+        runs.append((o, kc))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    kc = k_cache.clone()
+    with pytest.raises(ValueError, match="rotary_cos has 13 rows"):
+        attention_with_kvcache(q, kc, v_cache.clone(), cache_seqlens=12, k_new=k_new, v_new=v_new,
+                               rotary_cos=cos[:13], rotary_sin=sin[:13])
+    assert torch.equal(kc, k_cache)
