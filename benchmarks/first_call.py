@@ -88,6 +88,10 @@ def child(cfg, *, device="cuda", warmup=False, clock=time.perf_counter) -> dict:
         return result, clock() - start
 
     _, out["cuda_init_s"] = timed(lambda: torch.zeros(1, device=device))
+    # torch's own first backward in a process imports torch.fx's symbolic shapes (and SymPy with it):
+    # seconds that any library's first backward would pay, so they count with the process's one-time costs
+    x = torch.ones(2, device=device, requires_grad=True)
+    _, out["torch_first_grad_s"] = timed(lambda: torch.autograd.grad((x * x).sum(), x))
     q, k, v, _ = _inputs(torch, UNRELATED, device)
     _, out["unrelated_call_s"] = timed(lambda: flashattn.attention(q.detach(), k.detach(), v.detach()))
     if cfg is None:
@@ -160,15 +164,17 @@ def markdown(result: dict) -> str:
              "Seconds (or ms) from the call to its synchronize, in a fresh process; cold: a Triton cache "
              "without the configuration's kernels, warm: the same cache after the cold process.", "",
              f"Once per process, before any of it: imports {_s(prime, 'import_s')}, CUDA start "
-             f"{_s(prime, 'cuda_init_s')}, first call on an empty cache (an unrelated configuration, compiled) "
-             f"{_s(prime, 'unrelated_call_s')}.", "",
+             f"{_s(prime, 'cuda_init_s')}, torch's first autograd call (its lazy imports) "
+             f"{_s(prime, 'torch_first_grad_s')}, first call on an empty cache (an unrelated configuration, "
+             f"compiled) {_s(prime, 'unrelated_call_s')}.", "",
              "| configuration | mode | cold: warmup | cold: fwd | cold: fwd+bwd | warm: warmup | warm: fwd "
              "| warm: fwd+bwd | steady fwd+bwd | per process (warm) |",
              "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for row in result["rows"]:
         cold, warm = row["cold"], row["warm"]
         once = "error" if "error" in warm else _s({"x": sum(warm.get(k, 0) for k in
-                                                             ("import_s", "cuda_init_s", "unrelated_call_s"))}, "x")
+                                                             ("import_s", "cuda_init_s", "torch_first_grad_s",
+                                                              "unrelated_call_s"))}, "x")
         lines.append(f"| {row['name']} (B{row['batch']} H{row['heads']} N{row['seqlen']}) | {row['mode']} | "
                      f"{_s(cold, 'warmup_s')} | {_s(cold, 'first_fwd_s')} | {_s(cold, 'first_fwd_bwd_s')} | "
                      f"{_s(warm, 'warmup_s')} | {_s(warm, 'first_fwd_s')} | {_s(warm, 'first_fwd_bwd_s')} | "

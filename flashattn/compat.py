@@ -14,7 +14,10 @@ from flashattn.varlen import attention_varlen
 
 def _window(window_size) -> tuple[int | None, int | None]:
     """flash_attn's ``window_size = (left, right)`` as :func:`attention` takes it: each side a Python
-    int or a 0-d integer tensor (as upstream code passes them), any negative value unbounded (None)."""
+    int or a 0-d integer tensor (as upstream code passes them), or the pair as one 1-D integer tensor of two
+    entries (as flash_attn's own tests draw it); any negative value unbounded (None)."""
+    if isinstance(window_size, torch.Tensor) and window_size.dim() == 1 and window_size.shape[0] == 2:
+        window_size = tuple(window_size.unbind(0))  # each side then passes as a 0-d tensor
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size must be a (left, right) pair, -1 for unbounded, got {window_size!r}")
     sides = []

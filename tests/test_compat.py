@@ -30,11 +30,14 @@ def test_window_sides_as_0d_integer_tensors_equal_ints(window, causal):
     as_ints = flashattn.flash_attn_func(q, k, v, causal=causal, window_size=window)
     as_tensors = flashattn.flash_attn_func(q, k, v, causal=causal, window_size=tuple(torch.tensor(w) for w in window))
     assert torch.equal(as_ints, as_tensors)
+    as_one_tensor = flashattn.flash_attn_func(q, k, v, causal=causal, window_size=torch.tensor(window))  # upstream's tests
+    assert torch.equal(as_ints, as_one_tensor)
     full = flashattn.flash_attn_func(q, k, v, causal=causal)
     assert not torch.equal(as_ints, full)  # the window hides keys here: the comparison can fail
 
 
-@pytest.mark.parametrize("bad", [(torch.tensor(2.0), 0), (torch.tensor([2]), 0), (torch.tensor(True), 0), (1.5, 0)])
+@pytest.mark.parametrize("bad", [(torch.tensor(2.0), 0), (torch.tensor([2]), 0), (torch.tensor(True), 0), (1.5, 0),
+                                 torch.tensor([2.0, 0.0]), torch.tensor([1, 2, 3])])
 def test_window_sides_that_are_not_integers_are_refused(bad):
     q = _randn(1, 8, 2, 16)
     with pytest.raises(TypeError, match="window_size"):
