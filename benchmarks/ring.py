@@ -1,27 +1,33 @@
-"""Scaling benchmark of ring attention (:mod:`flashattn.distributed`), one process per GPU.
+"""Scaling benchmark of context-parallel attention (:mod:`flashattn.distributed`), one process per GPU.
 
     torchrun --nproc-per-node 2 -m benchmarks.ring --out benchmarks/results/ring_2gpu.json
-    torchrun --nproc-per-node 4 -m benchmarks.ring --lengths 65536 262144 1048576 --out ...
+    torchrun --nproc-per-node 4 -m benchmarks.ring --strategy ring ulysses hybrid --heads 8 \
+        --lengths 131072 1048576 --mask causal --out ...
     python -m benchmarks.ring --dry-run --out /tmp/ring.json   # CPU, gloo, tiny shapes, 1 process
 
-For every total length N (largest first is not required; a length that runs out of memory is recorded
+``--strategy`` picks what is measured (one or several, in one run): ``ring`` (:func:`ring_attention`,
+zig-zag shards when causal), ``ulysses`` (:func:`ulysses_attention`, an all-to-all of heads; needs the
+query heads divisible by P, K/V heads are repeated when fewer) or ``hybrid`` (:func:`hybrid_attention`:
+Ulysses inside groups of ``--ulysses-size`` U ranks, the ring across the P / U groups; U defaults to
+P / 2, a ring of 2 groups). For every total length N (a length that runs out of memory is recorded
 and the run goes on), causal and not, it measures on every rank:
 
-* the ring's forward and forward + backward time (CUDA events, fixed warm-up and repetition counts so
-  every rank makes the same number of collective calls; the slowest rank's median is reported) and
-  the peak memory of one forward + backward;
-* the single-GPU kernel at the same per-GPU work (``triton.testing.do_bench``, no communication):
+* each strategy's forward and forward + backward time (CUDA events, fixed warm-up and repetition
+  counts so every rank makes the same number of collective calls; the slowest rank's median is
+  reported) and the peak memory over the timed forward + backward calls;
+* the single-GPU kernel at the same per-GPU work (no communication, timed the same way):
   non-causal, queries N/P against all N keys; causal, a causal square of length sqrt(N^2/P) rounded to
-  128, which has the same number of visible pairs per GPU. The ratio of the ring's TFLOP/s per GPU to
-  this kernel's is ``fraction_of_single_gpu`` (the target is >= 0.9 at N/P >= 32k);
-* the causal balance: each rank's compute alone (its ring steps with no communication), reported as
-  (max - min) / mean over ranks (target: within 5%);
+  128, which has the same number of visible pairs per GPU. The ratio of a strategy's TFLOP/s per GPU
+  to this kernel's is ``fraction_of_single_gpu`` (the target is >= 0.9 at N/P >= 32k);
+* each rank's compute alone (the local attention calls of its strategy, no communication), and the
+  causal balance: (max - min) / mean of it over ranks (target: within 5%);
 * PyTorch's own context parallelism (``torch.distributed.tensor.experimental.context_parallel`` around
   ``scaled_dot_product_attention``) at the same N, where it runs; its failure message where not.
 
-FLOPs come from :func:`flashattn.cost.attention_flops` (the cost-model page's formula): a ring call
-does the full sequence's FLOPs, divided by P per GPU. The JSON records the GPUs, versions and
-methods beside the numbers.
+The single-GPU kernel and PyTorch's context parallelism are measured once per length and mask and
+shared by the strategies' rows. FLOPs come from :func:`flashattn.cost.attention_flops` (the
+cost-model page's formula): a context-parallel call does the full sequence's FLOPs, divided by P per
+GPU. The JSON records the GPUs, versions and methods beside the numbers.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -46,16 +53,30 @@ from flashattn import distributed as fd
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 DEFAULT_LENGTHS = [65536, 131072, 262144, 524288, 1048576]
+STRATEGIES = ("ring", "ulysses", "hybrid")
 TIMING_HOW = ("CUDA events around each call after a barrier, {warmup} warm-up and {reps} timed calls on every "
-              "rank (fixed counts: every rank makes the same collective calls); median per rank, slowest rank reported")
+              "rank (fixed counts: every rank makes the same collective calls); median per rank, slowest rank "
+              "reported; peak memory over the timed forward + backward calls")
 BASELINE_HOW = ("flashattn.attention on one GPU with the same visible (query, key) pairs per GPU: non-causal q of N/P "
-                "rows against N keys; causal, a causal square of length sqrt(N^2 / P) rounded to 128; "
-                "triton.testing.do_bench median")
+                "rows against N keys; causal, a causal square of length sqrt(N^2 / P) rounded to 128; timed as the "
+                "strategies are (every rank runs it on its own GPU at the same time; rank 0's median reported); "
+                "measured once per length and mask, shared by the strategies' rows")
+STRATEGY_HOW = {
+    "ring": "flashattn.distributed.ring_attention over all P ranks; zig-zag shards when causal, else contiguous",
+    "ulysses": "flashattn.distributed.ulysses_attention over all P ranks (all-to-all of heads, K/V heads repeated "
+               "by kv_head_repeats when fewer than P), contiguous shards",
+    "hybrid": "flashattn.distributed.hybrid_attention: Ulysses inside groups of U consecutive ranks, the ring across "
+              "the P / U groups (zig-zag when causal, else contiguous); shards of shard_sequence_2d",
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.ring", description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="total sequence lengths N (all ranks)")
+    p.add_argument("--strategy", nargs="+", choices=STRATEGIES, default=["ring"],
+                   help="what to measure, one or several (default: ring)")
+    p.add_argument("--ulysses-size", type=int, default=None,
+                   help="hybrid: ranks per Ulysses group U, dividing P (default P / 2: a ring of 2 groups)")
     p.add_argument("--heads", type=int, default=1, help="query heads (default 1: one head group)")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
     p.add_argument("--head-dim", type=int, default=128)
@@ -74,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.dry_run:
         args.dtype, args.head_dim, args.warmup, args.reps = "float64", 16, 1, 2
     args.kv_heads = args.kv_heads or args.heads
+    args.strategy = list(dict.fromkeys(args.strategy))
+    if args.ulysses_size is not None and args.ulysses_size < 1:
+        p.error("--ulysses-size must be >= 1")
     for name in ("heads", "kv_heads", "head_dim", "batch", "warmup", "reps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -112,8 +136,17 @@ def init(dry_run: bool):
 # --------------------------------------------------------------------------------------------------
 def timed_ms(fn, device, warmup: int, reps: int) -> float:
     """Median milliseconds of ``fn()`` on this rank; every rank calls ``fn`` exactly warmup + reps times."""
+    return timed(fn, device, warmup, reps)[0]
+
+
+def timed(fn, device, warmup: int, reps: int) -> tuple[float, float | None]:
+    """:func:`timed_ms` and the peak GiB allocated on this GPU over the timed calls (None on the CPU):
+    everything alive during them, inputs, buffers and gradients."""
     for _ in range(warmup):
         fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(reps):
         dist.barrier()
@@ -128,7 +161,8 @@ def timed_ms(fn, device, warmup: int, reps: int) -> float:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return statistics.median(times), peak
 
 
 def gather_floats(x: float, device) -> list[float]:
@@ -136,17 +170,6 @@ def gather_floats(x: float, device) -> list[float]:
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
     return [float(o.item()) for o in out]
-
-
-def peak_memory(fn, device) -> float | None:
-    """Peak GiB allocated on this GPU during ``fn()`` (everything: inputs, buffers, gradients)."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) / 2**30
 
 
 # --------------------------------------------------------------------------------------------------
@@ -165,37 +188,114 @@ def local_shards(args, n: int, device, seed: int):
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
 
 
-def measure_ring(args, n: int, causal: bool, device) -> dict:
+class Grid(NamedTuple):
+    """The hybrid's process groups as this rank sees them: Ulysses groups of ``ulysses`` consecutive
+    ranks, the ring across ``ring`` groups; this rank is piece ``piece`` at ring position ``position``."""
+
+    ulysses: int
+    ring: int
+    position: int
+    piece: int
+    ulysses_group: object
+    ring_group: object
+
+
+def default_ulysses_size(world: int) -> int:
+    return world // 2 if world % 2 == 0 else 1
+
+
+def make_grid(world: int, rank: int, ulysses: int) -> Grid:
+    """Every group of the grid (every rank takes part in creating each one), and this rank's two."""
+    ring = world // ulysses
+    ulysses_groups = [dist.new_group([g * ulysses + u for u in range(ulysses)]) for g in range(ring)]
+    ring_groups = [dist.new_group([g * ulysses + u for g in range(ring)]) for u in range(ulysses)]
+    position, piece = divmod(rank, ulysses)
+    return Grid(ulysses, ring, position, piece, ulysses_groups[position], ring_groups[piece])
+
+
+def check_strategies(args, world: int) -> str | None:
+    """Why the run cannot measure the strategies asked for on ``world`` ranks (None when it can); the
+    same answer on every rank, before any collective."""
+    problems = []
+    if "ulysses" in args.strategy:
+        try:
+            fd.kv_head_repeats(args.heads, args.kv_heads, world)
+        except ValueError as exc:
+            problems.append(f"--strategy ulysses: {exc}")
+    if "hybrid" in args.strategy:
+        u = args.ulysses_size or default_ulysses_size(world)
+        if world % u:
+            problems.append(f"--strategy hybrid: --ulysses-size ({u}) must divide the number of ranks ({world})")
+        elif args.heads % u:
+            problems.append(f"--strategy hybrid: --heads ({args.heads}) must be divisible by the Ulysses group's "
+                            f"size ({u})")
+    return "; ".join(problems) or None
+
+
+def strategy_call(strategy: str, causal: bool, grid: Grid | None):
+    """``(attend(q, k, v) -> o, layout)`` of one strategy, on this rank's shards."""
+    if strategy == "ulysses":
+        return lambda q, k, v: fd.ulysses_attention(q, k, v, causal=causal, layout="contiguous"), "contiguous"
     layout = "zigzag" if causal else "contiguous"
+    if strategy == "ring":
+        return lambda q, k, v: fd.ring_attention(q, k, v, causal=causal, layout=layout), layout
+    return (lambda q, k, v: fd.hybrid_attention(q, k, v, ulysses_group=grid.ulysses_group, ring_group=grid.ring_group,
+                                                causal=causal, layout=layout)), layout
+
+
+def local_work(args, strategy: str, n: int, grid: Grid | None) -> dict:
+    """What this rank's kernels compute, as a ring over ``ring_size`` positions (1 for Ulysses): its
+    position, the length of the sequence shard in its hands, and the heads it has after the all-to-all."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if strategy == "ring":
+        return dict(position=rank, ring_size=world, n_local=n // world, heads=args.heads, kv_heads=args.kv_heads)
+    width, position, ring_size = (world, 0, 1) if strategy == "ulysses" else (grid.ulysses, grid.position, grid.ring)
+    kv_heads = args.kv_heads * fd.kv_head_repeats(args.heads, args.kv_heads, width) // width
+    return dict(position=position, ring_size=ring_size, n_local=n // ring_size, heads=args.heads // width,
+                kv_heads=kv_heads)
+
+
+def measure_strategy(args, strategy: str, n: int, causal: bool, device, grid: Grid | None) -> dict:
+    attend, layout = strategy_call(strategy, causal, grid)
     q, k, v, do = local_shards(args, n, device, seed=n)
 
     def fwd():
         with torch.no_grad():
-            fd.ring_attention(q, k, v, causal=causal, layout=layout)
+            attend(q, k, v)
 
     def fwd_bwd():
-        o = fd.ring_attention(q, k, v, causal=causal, layout=layout)
-        o.backward(do)
+        attend(q, k, v).backward(do)
         q.grad = k.grad = v.grad = None
 
-    rec = {"fwd_ms": max(gather_floats(timed_ms(fwd, device, args.warmup, args.reps), device)),
-           "fwd_bwd_ms": max(gather_floats(timed_ms(fwd_bwd, device, args.warmup, args.reps), device))}
-    rec["peak_gib_per_rank"] = gather_floats(peak_memory(fwd_bwd, device), device) if device.type == "cuda" else None
-    rec["compute_ms_per_rank"] = gather_floats(rank_compute_ms(args, q, k, v, causal, layout, device), device)
-    work = rec["compute_ms_per_rank"]
-    rec["balance"] = (max(work) - min(work)) / statistics.mean(work) if statistics.mean(work) > 0 else None
+    fwd_bwd_ms, peak = timed(fwd_bwd, device, args.warmup, args.reps)
+    rec = {"layout": layout,
+           "fwd_ms": max(gather_floats(timed_ms(fwd, device, args.warmup, args.reps), device)),
+           "fwd_bwd_ms": max(gather_floats(fwd_bwd_ms, device)),
+           "peak_gib_per_rank": gather_floats(peak, device) if device.type == "cuda" else None}
+    if strategy == "hybrid":
+        rec["grid"] = {"ulysses": grid.ulysses, "ring": grid.ring}
+    work = local_work(args, strategy, n, grid)
+    rec["compute_ms_per_rank"] = gather_floats(rank_compute_ms(args, causal, layout, device, **work), device)
+    times = rec["compute_ms_per_rank"]
+    rec["balance"] = (max(times) - min(times)) / statistics.mean(times) if statistics.mean(times) > 0 else None
     return rec
 
 
-def rank_compute_ms(args, q, k, v, causal, layout, device) -> float:
-    """This rank's ring steps with its own K/V standing in for the others' (same shapes), no communication."""
-    rank, world, n_local = dist.get_rank(), dist.get_world_size(), q.shape[2]
-    scale = 1.0 / math.sqrt(q.shape[-1])
+def rank_compute_ms(args, causal, layout, device, *, position: int, ring_size: int, n_local: int, heads: int,
+                    kv_heads: int) -> float:
+    """This rank's local attention calls, no communication: its ring steps (``ring_size`` 1: one call
+    on the whole sequence of its heads, as Ulysses makes) with its own K/V standing in for the others'."""
+    gen = torch.Generator(device=device).manual_seed(7 + dist.get_rank())
+    dtype = DTYPES[args.dtype]
+    q = torch.randn(args.batch, heads, n_local, args.head_dim, dtype=dtype, device=device, generator=gen)
+    k, v = (torch.randn(args.batch, kv_heads, n_local, args.head_dim, dtype=dtype, device=device, generator=gen)
+            for _ in range(2))
+    scale = 1.0 / math.sqrt(args.head_dim)
 
     def steps():
         with torch.no_grad():
-            for source in range(world):
-                plan = fd.ring_step(rank, source, n_local, causal, layout)
+            for source in range(ring_size):
+                plan = fd.ring_step(position, source, n_local, causal, layout)
                 if plan is not None:
                     fd._local_forward(q[:, :, plan.rows], k[:, :, plan.cols], v[:, :, plan.cols], plan.causal, scale)
 
@@ -211,8 +311,6 @@ def baseline_shape(n: int, world: int, causal: bool) -> tuple[int, int]:
 
 
 def measure_single_gpu(args, n: int, causal: bool, device) -> dict:
-    import triton.testing
-
     import flashattn
 
     rows, cols = baseline_shape(n, dist.get_world_size(), causal)
@@ -224,12 +322,17 @@ def measure_single_gpu(args, n: int, causal: bool, device) -> dict:
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
     do = torch.randn_like(q)
 
+    def fwd():
+        with torch.no_grad():
+            flashattn.attention(q, k, v, causal=causal)
+
     def fwd_bwd():
         flashattn.attention(q, k, v, causal=causal).backward(do)
+        q.grad = k.grad = v.grad = None
 
-    with torch.no_grad():
-        fwd_ms = triton.testing.do_bench(lambda: flashattn.attention(q, k, v, causal=causal), return_mode="median")
-    fwd_bwd_ms = triton.testing.do_bench(fwd_bwd, grad_to_none=[q, k, v], return_mode="median")
+    # the strategies' timer (a call at 1M tokens takes seconds; do_bench would make ~8 of them)
+    fwd_ms = timed_ms(fwd, device, args.warmup, args.reps)
+    fwd_bwd_ms = timed_ms(fwd_bwd, device, args.warmup, args.reps)
     flops = cost.attention_flops(args.batch, args.heads, rows, cols, args.head_dim, causal=causal, mode="fwd")
     return {"queries": rows, "keys": cols, "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,
             "fwd_tflops": flops / fwd_ms / 1e9, "fwd_bwd_tflops": 3.5 * flops / fwd_bwd_ms / 1e9}
@@ -285,9 +388,10 @@ def measure_torch_cp(args, n: int, causal: bool, device) -> dict:
                 q.grad = k.grad = v.grad = None
 
             try:
+                fwd_bwd_ms, peak = timed(fwd_bwd, device, args.warmup, args.reps)
                 rec = {"fwd_ms": max(gather_floats(timed_ms(fwd, device, args.warmup, args.reps), device)),
-                       "fwd_bwd_ms": max(gather_floats(timed_ms(fwd_bwd, device, args.warmup, args.reps), device)),
-                       "peak_gib_per_rank": gather_floats(peak_memory(fwd_bwd, device), device)}
+                       "fwd_bwd_ms": max(gather_floats(fwd_bwd_ms, device)),
+                       "peak_gib_per_rank": gather_floats(peak, device) if device.type == "cuda" else None}
                 with torch.no_grad():
                     o_cp = context_parallel_unshard(mesh, [sdpa(q, k, v, is_causal=causal, **gqa)], [2])[0]
             finally:
@@ -296,9 +400,12 @@ def measure_torch_cp(args, n: int, causal: bool, device) -> dict:
                 q.requires_grad_(False), k.requires_grad_(False), v.requires_grad_(False)
     finally:
         _cp_options.enable_load_balance = balance
-    # q, k, v are whole again: the check of what was timed (N = M, so causal means the same to both)
+    # q, k, v are whole again: the check of what was timed (N = M, so causal means the same to both), on
+    # the query heads of the first K/V head (all of them would cost the full problem on every rank)
+    g = args.heads // args.kv_heads
     with torch.no_grad():
-        rec["rel_err_vs_flashattn"] = max(gather_floats(rel_err(o_cp, attention(q, k, v, causal=causal)), device))
+        want = attention(q[:, :g], k[:, :1], v[:, :1], causal=causal)
+        rec["rel_err_vs_flashattn"] = max(gather_floats(rel_err(o_cp[:, :g], want), device))
     if not rec["rel_err_vs_flashattn"] < 2e-2:
         raise RuntimeError(f"context_parallel's output is off by {rec['rel_err_vs_flashattn']:.3g} (relative): "
                            "its times do not measure the attention asked for")
@@ -330,89 +437,128 @@ def _finite(x):
     return x
 
 
+def _attempt(device, fn, *args) -> dict:
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - recorded; OOM at the largest N is expected
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+
 def run(args) -> dict:
     device = init(args.dry_run)
     world, rank = dist.get_world_size(), dist.get_rank()
     masks = {"causal": [True], "full": [False], "both": [False, True]}[args.mask]
-    payload = {"environment": environment(device),
-               "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-               "methods": {"timing": TIMING_HOW.format(warmup=args.warmup, reps=args.reps), "baseline": BASELINE_HOW,
-                           "flops": "flashattn.cost.attention_flops over the full sequence, / world size per GPU; "
-                                    "fwd_bwd = 3.5 x fwd",
-                           "balance": "(max - min) / mean over ranks of the time of each rank's ring-step forward calls "
-                                      "alone (its own K/V standing in for the others', no communication)"},
-               "rows": []}
     try:
+        problem = check_strategies(args, world)
+        if problem:  # every rank finds the same, before any collective
+            raise SystemExit(problem)
+        grid = None
+        if "hybrid" in args.strategy:
+            args.ulysses_size = args.ulysses_size or default_ulysses_size(world)
+            grid = make_grid(world, rank, args.ulysses_size)
+        payload = {"environment": environment(device),
+                   "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                   "methods": {"timing": TIMING_HOW.format(warmup=args.warmup, reps=args.reps),
+                               "baseline": BASELINE_HOW,
+                               "strategies": {s: STRATEGY_HOW[s] for s in args.strategy},
+                               "flops": "flashattn.cost.attention_flops over the full sequence, / world size per GPU; "
+                                        "fwd_bwd = 3.5 x fwd",
+                               "balance": "(max - min) / mean over ranks of the time of each rank's local forward "
+                                          "calls alone (its ring steps with its own K/V standing in for the others'; for "
+                                          "Ulysses one call on the whole sequence of its heads; no communication)"},
+                   "rows": []}
+
+        def save(rows):
+            for row in rows:
+                summarize(args, row, world)
+            if rank == 0:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(_finite(payload), indent=2) + "\n", encoding="utf-8")
+
         for n in args.lengths:
             for causal in masks:
-                row = {"n": n, "n_per_gpu": n // world, "causal": causal, "world_size": world}
+                base = {"n": n, "n_per_gpu": n // world, "causal": causal, "world_size": world}
+                rows = [{**base, "strategy": s} for s in args.strategy]
+                payload["rows"].extend(rows)
                 parts = 2 * world if causal else world
                 if n % parts:
-                    row["error"] = f"N = {n} is not divisible by {parts}"
-                    payload["rows"].append(row)
+                    for row in rows:
+                        row["error"] = f"N = {n} is not divisible by {parts}"
+                    save(rows)
                     continue
-                providers = [("ring", measure_ring)]
-                if not args.dry_run:
-                    providers.append(("single_gpu", measure_single_gpu))
-                    if not args.no_torch_cp:
-                        providers.append(("torch_cp", measure_torch_cp))
-                for name, fn in providers:
-                    try:
-                        row[name] = fn(args, n, causal, device)
-                    except Exception as exc:  # noqa: BLE001 - recorded; OOM at the largest N is expected
-                        row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-                        if device.type == "cuda":
-                            torch.cuda.empty_cache()
+                # rows are written after every measurement: a run cut short keeps what it measured
+                for row in rows:
+                    strategy = row["strategy"]
+                    row[strategy] = _attempt(device, measure_strategy, args, strategy, n, causal, device, grid)
                     dist.barrier()
-                summarize(args, row, world)
-                payload["rows"].append(row)
+                    save(rows)
+                shared = [] if args.dry_run else [("single_gpu", measure_single_gpu)]
+                if not args.dry_run and not args.no_torch_cp:
+                    shared.append(("torch_cp", measure_torch_cp))
+                for name, fn in shared:
+                    rec = _attempt(device, fn, args, n, causal, device)
+                    for row in rows:
+                        row[name] = rec
+                    dist.barrier()
+                    save(rows)
                 if rank == 0:
-                    args.out.parent.mkdir(parents=True, exist_ok=True)
-                    args.out.write_text(json.dumps(_finite(payload), indent=2) + "\n", encoding="utf-8")
-                    print(json.dumps(_finite(row)), flush=True)
+                    for row in rows:
+                        print(json.dumps(_finite(row)), flush=True)
     finally:
         dist.destroy_process_group()
     return payload
 
 
 def summarize(args, row: dict, world: int) -> None:
-    """TFLOP/s per GPU of each provider, and the ring's fraction of the single-GPU kernel and of torch's CP."""
+    """TFLOP/s per GPU of each provider, and the row's strategy's fraction of the single-GPU kernel and
+    speed-up over torch's CP."""
     flops = cost.attention_flops(args.batch, args.heads, row["n"], row["n"], args.head_dim, causal=row["causal"],
                                  mode="fwd")
-    for name in ("ring", "torch_cp"):
+    strategy = row.get("strategy", "ring")
+    for name in (strategy, "torch_cp"):
         rec = row.get(name)
         if rec and "fwd_ms" in rec:
             rec["fwd_tflops_per_gpu"] = flops / world / rec["fwd_ms"] / 1e9
             rec["fwd_bwd_tflops_per_gpu"] = 3.5 * flops / world / rec["fwd_bwd_ms"] / 1e9
-    ring, single, cp = row.get("ring", {}), row.get("single_gpu", {}), row.get("torch_cp", {})
-    if "fwd_tflops_per_gpu" in ring and "fwd_tflops" in single:
-        row["fraction_of_single_gpu"] = {m: ring[f"{m}_tflops_per_gpu"] / single[f"{m}_tflops"] for m in ("fwd", "fwd_bwd")}
-    if "fwd_ms" in ring and "fwd_ms" in cp:
-        row["speedup_vs_torch_cp"] = {m: cp[f"{m}_ms"] / ring[f"{m}_ms"] for m in ("fwd", "fwd_bwd")}
+    mine, single, cp = row.get(strategy, {}), row.get("single_gpu", {}), row.get("torch_cp", {})
+    if "fwd_tflops_per_gpu" in mine and "fwd_tflops" in single:
+        row["fraction_of_single_gpu"] = {m: mine[f"{m}_tflops_per_gpu"] / single[f"{m}_tflops"]
+                                         for m in ("fwd", "fwd_bwd")}
+    if "fwd_ms" in mine and "fwd_ms" in cp:
+        row["speedup_vs_torch_cp"] = {m: cp[f"{m}_ms"] / mine[f"{m}_ms"] for m in ("fwd", "fwd_bwd")}
 
 
 def markdown(payload: dict) -> str:
-    """The run as the site's ring page shows it: where it ran, then one table row per length and mask
-    (times are the slowest rank's medians; fractions and speed-ups as :func:`summarize` computes them;
-    a provider that failed shows its error)."""
+    """The run as the site's ring page shows it: where it ran, then one table row per length, mask and
+    strategy (a strategy column when the run measured several; times are the slowest rank's medians;
+    fractions and speed-ups as :func:`summarize` computes them; a provider that failed shows its error)."""
     from benchmarks import report  # its table-cell escaping: an error message may hold '|' or newlines
 
     env, cfg = payload.get("environment", {}), payload.get("config", {})
+    strategies = cfg.get("strategy") or ["ring"]  # runs from before --strategy measured the ring
+    several = len(strategies) > 1
     world = env.get("world_size", "?")
     out = [f"{world} × {env.get('gpu', env.get('backend', '?'))}, torch {env.get('torch', '?')}, "
            f"triton {env.get('triton', '-')}, NCCL {env.get('nccl', '-')}, {env.get('date', '')[:10]}; "
            f"B = {cfg.get('batch')}, H = {cfg.get('heads')} (K/V heads {cfg.get('kv_heads')}), "
            f"D = {cfg.get('head_dim')}, {cfg.get('dtype')}; {cfg.get('warmup')} warm-up and "
-           f"{cfg.get('reps')} timed calls per rank.", "",
-           "| N | N per GPU | mask | ring fwd / fwd+bwd (ms) | TFLOP/s per GPU | of one GPU's | balance "
+           f"{cfg.get('reps')} timed calls per rank"
+           + (f"; hybrid: Ulysses groups of {cfg.get('ulysses_size')}." if "hybrid" in strategies else "."), "",
+           "| N | N per GPU | mask | " + ("strategy | fwd" if several else f"{strategies[0]} fwd")
+           + " / fwd+bwd (ms) | TFLOP/s per GPU | of one GPU's | balance "
            "| peak GiB per GPU | torch CP fwd / fwd+bwd (ms) | speed-up over torch CP | torch CP peak GiB |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if several else "")]
 
     def pair(rec, a, b, fmt):
         return f"{fmt.format(rec[a])} / {fmt.format(rec[b])}" if a in rec and b in rec else "-"
 
     for row in payload.get("rows", []):
-        ring, cp = row.get("ring", {}), row.get("torch_cp", {})
+        strategy = row.get("strategy", "ring")
+        ring, cp = row.get(strategy, {}), row.get("torch_cp", {})
+        if "error" in row and not ring:  # a length the ranks cannot split
+            ring = {"error": row["error"]}
         if "error" in ring:
             ring_cells = [report._md(f"failed: {ring['error']}", 80), "-", "-", "-", "-"]
         else:
@@ -430,7 +576,7 @@ def markdown(payload: dict) -> str:
         else:
             cp_cells = ["not run", "-", "-"]
         cells = [f"{row['n']:,}", f"{row.get('n_per_gpu', row['n']):,}", "causal" if row["causal"] else "none",
-                 *ring_cells, *cp_cells]
+                 *([strategy] if several else []), *ring_cells, *cp_cells]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 

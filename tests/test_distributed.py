@@ -6,8 +6,9 @@ causal and not, GQA, head dims that are not powers of two, strided inputs, large
 3 ranks, and the errors for shards that cannot be split evenly. Each world size is launched once and
 runs every case (starting processes is the slow part); each case is then its own test.
 
-GPU (skipped with fewer than 2 GPUs): NCCL, float16 and bfloat16, against the single-GPU kernels on the
-full sequence, judged as a ratio of their errors against float64.
+GPU (2 and 4 GPUs, each skipped where the machine has fewer): NCCL, float16 and bfloat16, the ring,
+Ulysses and the hybrid against the single-GPU kernels on the full sequence, judged as a ratio of their
+errors against float64.
 """
 
 from __future__ import annotations
@@ -565,6 +566,19 @@ GPU_CASES = {
     "plain-contiguous": dict(h_q=4, h_kv=4, d=64, chunk=200, causal=False, layout="contiguous"),
     "gqa-d96-causal-zigzag": dict(h_q=8, h_kv=2, d=96, chunk=192, causal=True, layout="zigzag"),
 }
+GPU_DTYPES = ["float16", "bfloat16"]
+GPU_HYBRID_WIDTH = 2  # Ulysses groups of 2: on two GPUs one group (a ring of one), on four a 2 x 2 grid
+GPU_LAUNCH_TIMEOUT_S = 240  # per world, both dtypes; the first world compiles the kernels
+
+
+def _gpu_grid(rank: int, world: int, width: int):
+    """(Ulysses group, ring group, ring position, piece) of this rank on a grid of world / width ring
+    positions x width Ulysses ranks; every rank takes part in creating every group."""
+    ring_size = world // width
+    ulysses_groups = [dist.new_group([g * width + u for u in range(width)]) for g in range(ring_size)]
+    ring_groups = [dist.new_group([g * width + u for g in range(ring_size)]) for u in range(width)]
+    position, piece = divmod(rank, width)
+    return ulysses_groups[position], ring_groups[piece], position, piece
 
 
 def _gpu_worker(rank: int, world: int, port: int, names: list, dtypes: list, results) -> None:
@@ -577,27 +591,28 @@ def _gpu_worker(rank: int, world: int, port: int, names: list, dtypes: list, res
         results.put(("<init>", rank, traceback.format_exc(), None))
         return
     try:
+        grid = _gpu_grid(rank, world, GPU_HYBRID_WIDTH) if world % GPU_HYBRID_WIDTH == 0 else None
         for name in names:
             for dtype_name in dtypes:
                 try:
                     results.put((f"{name}/{dtype_name}", rank, None,
-                                 _gpu_check(GPU_CASES[name], getattr(torch, dtype_name), rank, world)))
+                                 _gpu_check(GPU_CASES[name], getattr(torch, dtype_name), rank, world, grid)))
                 except Exception:  # noqa: BLE001
                     results.put((f"{name}/{dtype_name}", rank, traceback.format_exc(), None))
     finally:
         dist.destroy_process_group()
 
 
-def _gpu_check(case: dict, dtype, rank: int, world: int) -> dict:
-    """Relative errors against float64 of the ring and of Ulysses (this rank's shard) and of the
+def _gpu_check(case: dict, dtype, rank: int, world: int, grid) -> dict:
+    """Relative errors against float64 of each context-parallel path (this rank's shard) and of the
     single-GPU kernel (the same rows of the full sequence), for o, dq, dk, dv: ``{"ring/o": (ring's,
-    single GPU's), ..., "ulysses/o": ...}`` (Ulysses where the query heads split over the ranks)."""
+    single GPU's), ..., "ulysses/o": ..., "hybrid/o": ...}``; Ulysses where the query heads split over
+    the ranks, the hybrid (on ``grid``, :func:`_gpu_grid`) where they split over its groups."""
     import flashattn
 
     device = torch.device("cuda", rank)
     q, k, v, do = _problem(case, world, device, torch.float64, seed=99)
     causal, layout = case["causal"], case["layout"]
-    shard = lambda x: fd.shard_sequence(x, rank, world, layout=layout)  # noqa: E731
 
     def grads(fn, inputs, grad_out):
         inputs = [x.detach().clone().requires_grad_() for x in inputs]
@@ -607,36 +622,58 @@ def _gpu_check(case: dict, dtype, rank: int, world: int) -> dict:
 
     ref = grads(lambda *x: naive_attention(*x, causal)[0], (q, k, v), do)
     single = grads(lambda *x: flashattn.attention(*x, causal=causal), [x.to(dtype) for x in (q, k, v)], do.to(dtype))
-    paths = {"ring": fd.ring_attention}
+    shard = lambda x: fd.shard_sequence(x, rank, world, layout=layout)  # noqa: E731
+    paths = {"ring": (shard, lambda *x: fd.ring_attention(*x, causal=causal, layout=layout))}
     if case["h_q"] % world == 0:
-        paths["ulysses"] = fd.ulysses_attention
+        paths["ulysses"] = (shard, lambda *x: fd.ulysses_attention(*x, causal=causal, layout=layout))
+    if grid is not None and case["h_q"] % GPU_HYBRID_WIDTH == 0:
+        ulysses_group, ring_group, position, piece = grid
+        ring_size = world // GPU_HYBRID_WIDTH
+        paths["hybrid"] = (
+            lambda x: fd.shard_sequence_2d(x, position, ring_size, piece, GPU_HYBRID_WIDTH, layout=layout),
+            lambda *x: fd.hybrid_attention(*x, ulysses_group=ulysses_group, ring_group=ring_group, causal=causal,
+                                           layout=layout))
     out = {}
-    for path, fn in paths.items():
-        got = grads(lambda *x: fn(*x, causal=causal, layout=layout), [shard(x).to(dtype) for x in (q, k, v)],
-                    shard(do).to(dtype))
+    for path, (cut, fn) in paths.items():
+        got = grads(fn, [cut(x).to(dtype) for x in (q, k, v)], cut(do).to(dtype))
         for name, r, s, g in zip(("o", "dq", "dk", "dv"), got, single, ref):
-            out[f"{path}/{name}"] = (rel_err(r, shard(g)), rel_err(shard(s), shard(g)))
+            out[f"{path}/{name}"] = (rel_err(r, cut(g)), rel_err(cut(s), cut(g)))
     return out
 
 
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w}gpus")
+def nccl_world(request):
+    """One NCCL world of 2 or 4 processes (one per GPU) running every GPU case in both dtypes."""
+    size = request.param
+    if not torch.cuda.is_available() or torch.cuda.device_count() < size:
+        pytest.skip(f"needs {size} GPUs")
+    got = launch(_gpu_worker, size, (list(GPU_CASES), GPU_DTYPES), expected=len(GPU_CASES) * len(GPU_DTYPES) * size,
+                 timeout_s=GPU_LAUNCH_TIMEOUT_S)
+    return size, got
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 or more GPUs")
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_ring_attention_nccl_matches_single_gpu_kernels(dtype):
-    world = min(torch.cuda.device_count(), 4)
-    got = launch(_gpu_worker, world, (list(GPU_CASES), [dtype]), expected=len(GPU_CASES) * world, timeout_s=300)
-    problems = []
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_ring_attention_nccl_matches_single_gpu_kernels(nccl_world, dtype):
+    """The ring, Ulysses and the hybrid on 2 and 4 GPUs: each rank's output and gradients are as close to
+    float64 as the single-GPU kernel's on the same rows, within the rule below."""
+    size, got = nccl_world
+    problems, seen = [], set()
     for name, rank, error, result in got:
+        if not name.endswith(f"/{dtype}"):
+            continue
         if error is not None:
             problems.append(f"{name} rank {rank}:\n{error}")
             continue
         for what, (err_cp, err_single) in result.items():
+            seen.add(what.split("/")[0])
             # The ring merges partials in float32 and sums per-shard dK/dV partials that were each rounded
             # to the input dtype, so its error may exceed the single-GPU kernel's by a small factor
             # (Ulysses runs the single-GPU kernel on whole sequences: its error is that kernel's).
             if not err_cp <= 3.0 * err_single + 1e-4:
                 problems.append(f"{name} rank {rank} {what}: {err_cp:.3e} vs single GPU {err_single:.3e}")
     assert not problems, "\n".join(problems)
+    assert seen == {"ring", "ulysses", "hybrid"}, f"{size} GPUs checked only {sorted(seen)}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -647,7 +684,11 @@ def test_benchmark_arguments():
 
     args = bench.parse_args(["--out", "x.json", "--heads", "8", "--kv-heads", "2"])
     assert args.lengths == bench.DEFAULT_LENGTHS and (args.heads, args.kv_heads, args.dtype) == (8, 2, "bfloat16")
-    for bad in (["--heads", "6", "--kv-heads", "4"], ["--head-dim", "0"], ["--lengths", "1"], []):
+    assert args.strategy == ["ring"] and args.ulysses_size is None
+    args = bench.parse_args(["--out", "x.json", "--strategy", "hybrid", "ring", "hybrid", "--ulysses-size", "2"])
+    assert args.strategy == ["hybrid", "ring"] and args.ulysses_size == 2
+    for bad in (["--heads", "6", "--kv-heads", "4"], ["--head-dim", "0"], ["--lengths", "1"], [],
+                ["--strategy", "striped"], ["--ulysses-size", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad if not bad or bad[0] == "--out" else ["--out", "x.json", *bad])
     # The causal baseline does the ring's visible pairs per GPU (to within the rounding to 128).
@@ -657,8 +698,26 @@ def test_benchmark_arguments():
         assert bench.baseline_shape(n, world, False) == (n // world, n)
 
 
-def test_benchmark_dry_run_with_two_processes(tmp_path):
-    """``torchrun --nproc-per-node 2 -m benchmarks.ring --dry-run``: gloo, CPU, every row measured."""
+def test_benchmark_refuses_strategies_the_heads_do_not_allow():
+    """Checked on every rank before any collective: Ulysses needs the query heads to split over the
+    ranks (K/V heads fewer than the ranks are repeated), the hybrid over its Ulysses groups."""
+    from benchmarks import ring as bench
+
+    def problem(world, *argv):
+        return bench.check_strategies(bench.parse_args(["--out", "x.json", *argv]), world)
+
+    assert problem(4, "--strategy", "ring", "ulysses", "hybrid", "--heads", "8", "--kv-heads", "2") is None
+    assert problem(4, "--strategy", "ulysses", "--heads", "8", "--kv-heads", "1") is None  # K/V repeated 4 times
+    assert "Hq (6)" in problem(4, "--strategy", "ulysses", "--heads", "6")
+    assert problem(4, "--strategy", "hybrid", "--heads", "6") is None  # 6 heads over Ulysses groups of 2
+    assert "must be divisible" in problem(4, "--strategy", "hybrid", "--heads", "6", "--ulysses-size", "4")
+    assert "must divide" in problem(4, "--strategy", "hybrid", "--heads", "6", "--ulysses-size", "3")
+    assert problem(3, "--strategy", "ring", "hybrid", "--heads", "1") is None  # odd P: U = 1, a ring of 3
+    assert bench.default_ulysses_size(4) == 2 and bench.default_ulysses_size(8) == 4
+
+
+def _dry_run(tmp_path, world: int, *argv) -> dict:
+    """``torchrun --nproc-per-node <world> -m benchmarks.ring --dry-run <argv>``: gloo, CPU; its JSON."""
     import json
     import subprocess
     import sys
@@ -667,18 +726,57 @@ def test_benchmark_dry_run_with_two_processes(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "ring.json"
     env = {**os.environ, "PYTHONPATH": str(root), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
                            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-                           "-m", "benchmarks.ring", "--dry-run", "--out", str(out)],
+                           "-m", "benchmarks.ring", "--dry-run", "--out", str(out), *argv],
                           cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     payload = json.loads(out.read_text())
-    assert payload["environment"]["world_size"] == 2 and payload["environment"]["backend"] == "gloo"
-    assert [(r["n"], r["causal"]) for r in payload["rows"]] == [(64, False), (64, True), (128, False), (128, True)]
+    assert payload["environment"]["world_size"] == world and payload["environment"]["backend"] == "gloo"
+    return payload
+
+
+def _check_measured(row: dict, world: int) -> dict:
+    rec = row[row["strategy"]]
+    assert rec["fwd_ms"] > 0 and rec["fwd_bwd_ms"] > 0 and len(rec["compute_ms_per_rank"]) == world
+    assert rec["fwd_tflops_per_gpu"] > 0 and rec["balance"] >= 0
+    return rec
+
+
+def test_benchmark_dry_run_with_two_processes(tmp_path):
+    """The default run (the ring alone) on two gloo processes: every row measured, in the format the
+    ring page reads."""
+    from benchmarks import ring as bench
+
+    payload = _dry_run(tmp_path, 2)
+    assert [(r["n"], r["causal"], r["strategy"]) for r in payload["rows"]] == [
+        (64, False, "ring"), (64, True, "ring"), (128, False, "ring"), (128, True, "ring")]
     for row in payload["rows"]:
-        ring = row["ring"]
-        assert ring["fwd_ms"] > 0 and ring["fwd_bwd_ms"] > 0 and len(ring["compute_ms_per_rank"]) == 2
-        assert ring["fwd_tflops_per_gpu"] > 0 and ring["balance"] >= 0
+        assert _check_measured(row, 2)["layout"] == ("zigzag" if row["causal"] else "contiguous")
+    table = bench.markdown(payload)
+    assert "| N | N per GPU | mask | ring fwd / fwd+bwd (ms) |" in table and "| strategy |" not in table
+    assert table.count("\n| 128 | 64 | causal | ") == 1
+
+
+def test_benchmark_dry_run_of_every_strategy(tmp_path):
+    """Ring, Ulysses (one K/V head repeated over the two ranks) and the hybrid (Ulysses groups of 2, a
+    ring of one) in one run of two gloo processes: a row per length, mask and strategy, each measured."""
+    from benchmarks import ring as bench
+
+    payload = _dry_run(tmp_path, 2, "--strategy", "ring", "ulysses", "hybrid", "--ulysses-size", "2",
+                       "--heads", "4", "--kv-heads", "1", "--lengths", "64")
+    assert [(r["causal"], r["strategy"]) for r in payload["rows"]] == [
+        (c, s) for c in (False, True) for s in ("ring", "ulysses", "hybrid")]
+    assert payload["config"]["ulysses_size"] == 2 and set(payload["methods"]["strategies"]) == set(bench.STRATEGIES)
+    for row in payload["rows"]:
+        rec = _check_measured(row, 2)
+        assert set(row) & set(bench.STRATEGIES) == {row["strategy"]}  # only its own record
+        if row["strategy"] == "hybrid":
+            assert rec["grid"] == {"ulysses": 2, "ring": 1}
+    table = bench.markdown(payload)
+    assert "| mask | strategy | fwd / fwd+bwd (ms) |" in table
+    for strategy in bench.STRATEGIES:
+        assert table.count(f"| 64 | 32 | causal | {strategy} | ") == 1
 
 
 def test_shard_and_unshard_refuse_what_they_cannot_cut():
