@@ -193,7 +193,7 @@ def _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slope
 _DESCRIBED = table("api.described")  # the signature of a call that passed the checks -> its Problem
 
 
-def _signature(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p):
+def _signature(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p, has_sinks=False):
     """Everything the checks and :class:`Problem` of a call read, the type of each argument included
     (True and 1 hash alike, but only one is a valid ``causal``); None when an argument is unhashable."""
     try:
@@ -203,17 +203,18 @@ def _signature(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes
                 window is not None and tuple(map(type, window)), type(softcap), softcap,
                 alibi_slopes is not None and (type(alibi_slopes), alibi_slopes.shape, alibi_slopes.dtype,
                                               alibi_slopes.device),
-                type(dropout_p), dropout_p)
+                type(dropout_p), dropout_p, has_sinks)
     except (AttributeError, TypeError):  # not tensors, or a window that is not a sequence
         return None
 
 
-def _described(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p) -> Problem:
+def _described(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p,
+               has_sinks: bool = False) -> Problem:
     """Check a call against the contract and describe it. The checks and the description are a pure
     function of the arguments' types, the tensors' shapes, dtypes and devices and the options'
     values, so a call with the signature of an earlier valid one reuses its Problem: a short call
     feels the microseconds the checks take."""
-    signature = _signature(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p)
+    signature = _signature(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p, has_sinks)
     try:
         problem = _DESCRIBED.get(signature) if signature is not None else None
     except TypeError:  # an unhashable option, e.g. a window given as a list
@@ -222,7 +223,7 @@ def _described(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes
         return problem
     window, softcap = _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p)
     problem = Problem.of(q, k, causal, scale, window=window, softcap=softcap, alibi=alibi_slopes is not None,
-                         dropout_p=float(dropout_p), head_dim_v=v.shape[-1])
+                         dropout_p=float(dropout_p), head_dim_v=v.shape[-1], sinks=has_sinks)
     if signature is not None:
         remember(_DESCRIBED, signature, problem)
     return problem
@@ -343,13 +344,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         check_sinks(q, q.shape[1], sinks)
         o, lse = torch.ops.flashattn.attention_forward(
             q, k, v, causal, scale, -1 if left is None else left, -1 if right is None else right, softcap,
-            alibi_slopes, dropout_p, int(seed) if dropout_p > 0 else 0, sinks=sinks)
+            alibi_slopes, dropout_p, int(seed) if dropout_p > 0 else 0,
+            sinks=None if sinks is None else sinks.contiguous())
     else:
         # Eager calls skip the operator dispatcher (tens of microseconds of a short call) and run the
         # same backends through an autograd.Function, or, when no gradient can flow (inference,
         # torch.no_grad), call the forward backend itself: autograd.Function.apply costs a short
         # call microseconds even when it records nothing.
-        problem = _described(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p)
+        problem = _described(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p,
+                             sinks is not None)
         check_dropout_source(generator, seed)
         if alibi_slopes is not None:
             alibi_slopes = alibi_slopes.detach().contiguous()

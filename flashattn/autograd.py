@@ -46,25 +46,30 @@ def _empty_backward(q, k, v):
 # (the inputs come in the autocast dtype already, flashattn.api.autocast_inputs), as inside the custom operators,
 # which run below autocast.
 @torch.autocast("cpu", enabled=False)
-def _reference_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, packing=None):
+def _reference_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, packing=None, sinks=None):
     if problem.varlen:
-        return _varlen_reference_forward(q, k, v, problem, packing, alibi_slopes, seed)
-    if problem.heads_kv == 0:  # no head at all: the reference's head groups need one
-        return _empty_forward(q, problem)
-    o, lse = reference.online_forward(q, k, v, problem.causal, problem.scale, **_variants(problem, alibi_slopes, seed))
-    return in_layout(o, q), lse
+        o, lse = _varlen_reference_forward(q, k, v, problem, packing, alibi_slopes, seed)
+    elif problem.heads_kv == 0:  # no head at all: the reference's head groups need one
+        o, lse = _empty_forward(q, problem)
+    else:
+        o, lse = reference.online_forward(q, k, v, problem.causal, problem.scale,
+                                          **_variants(problem, alibi_slopes, seed))
+        o = in_layout(o, q)
+    return (o, lse) if sinks is None else with_sinks(o, lse, sinks, problem.varlen)
 
 
 @torch.autocast("cpu", enabled=False)
 def _reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
-                        packing=None):
+                        packing=None, sinks=None):
     if problem.varlen:
-        return _varlen_reference_backward(do, q, k, v, o, lse, problem, dlse, packing, alibi_slopes, seed)
-    if problem.heads_kv == 0:
-        return _empty_backward(q, k, v)
-    dq, dk, dv = reference.online_backward(do, q, k, v, o, lse, problem.causal, problem.scale, dlse=dlse,
-                                           **_variants(problem, alibi_slopes, seed))
-    return in_layout(dq, q), in_layout(dk, k), in_layout(dv, v)
+        grads = _varlen_reference_backward(do, q, k, v, o, lse, problem, dlse, packing, alibi_slopes, seed)
+    elif problem.heads_kv == 0:
+        grads = _empty_backward(q, k, v)
+    else:
+        dq, dk, dv = reference.online_backward(do, q, k, v, o, lse, problem.causal, problem.scale, dlse=dlse,
+                                               **_variants(problem, alibi_slopes, seed))
+        grads = in_layout(dq, q), in_layout(dk, k), in_layout(dv, v)
+    return (*grads, None if sinks is None else sinks_grad(do, o, lse, dlse, sinks, problem.varlen))
 
 
 _LAUNCHERS: list = []  # [forward, backward, decode_kernels, tensors] once imported
@@ -82,14 +87,16 @@ def launchers():
     return _LAUNCHERS
 
 
-def _kernel_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, packing=None):
+def _kernel_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, packing=None, sinks=None):
     if problem.empty:
-        return _empty_forward(q, problem)
+        o, lse = _empty_forward(q, problem)
+        return (o, lse) if sinks is None else with_sinks(o, lse, sinks, problem.varlen)
     forward, _, decode_kernels, tensors = launchers()
     with tensors.on_device(q):  # Triton launches on the current device: make it the inputs'
-        if problem.split_kv:
-            return _split_kv_forward(decode_kernels, q, k, v, problem)
-        return forward.launch_forward(q, k, v, problem, alibi_slopes, seed, packing)
+        if problem.split_kv:  # a few rows: the sinks join after the merge
+            o, lse = _split_kv_forward(decode_kernels, q, k, v, problem)
+            return (o, lse) if sinks is None else with_sinks(o, lse, sinks, problem.varlen)
+        return forward.launch_forward(q, k, v, problem, alibi_slopes, seed, packing, sinks)
 
 
 def _split_kv_forward(decode_kernels, q, k, v, problem: Problem):
@@ -103,12 +110,19 @@ def _split_kv_forward(decode_kernels, q, k, v, problem: Problem):
 
 
 def _kernel_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
-                     packing=None):
+                     packing=None, sinks=None):
     if problem.empty:
-        return _empty_backward(q, k, v)
-    _, backward, _, tensors = launchers()
-    with tensors.on_device(q):
-        return backward.launch_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed, packing)
+        grads, delta = _empty_backward(q, k, v), None
+    else:
+        _, backward, _, tensors = launchers()
+        with tensors.on_device(q):
+            *grads, delta = backward.launch_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed, packing,
+                                                     return_delta=True)
+    if sinks is None:
+        return (*grads, None)
+    if delta is None:  # no kernel ran: from the outputs
+        return (*grads, sinks_grad(do, o, lse, dlse, sinks, problem.varlen))
+    return (*grads, sinks_grad_from_delta(delta.squeeze(0) if problem.varlen else delta, lse, sinks, problem.varlen))
 
 
 def _varlen_reference_forward(q, k, v, problem: Problem, packing, alibi_slopes=None, seed: int = 0):
@@ -179,15 +193,24 @@ def sinks_grad(do, o, lse, dlse, sinks: torch.Tensor, packed: bool) -> torch.Ten
     p_sink = torch.where(lse_w == float("-inf"), 0.0, p_sink)  # no key and a sink of -inf: nothing flows
     dims = (1,) if packed else (0, 2)
     return -(p_sink * delta.to(lse_w.dtype)).sum(dims).to(sinks.dtype)
+
+
+def sinks_grad_from_delta(delta: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, packed: bool) -> torch.Tensor:
+    """:func:`sinks_grad` from the backward kernels' own row statistic delta = rowsum(dO * O) - dLSE
+    (lse's layout, float32): a reduction over the rows alone, with no pass over O or dO."""
+    lse_w = _wide(lse)
+    p_sink = torch.exp(_row_shape(sinks.to(lse_w.dtype), packed) - lse_w)
+    p_sink = torch.where(lse_w == float("-inf"), 0.0, p_sink)
+    return -(p_sink * delta.to(lse_w.dtype)).sum((1,) if packed else (0, 2)).to(sinks.dtype)
 # --8<-- [end:sinks]
 
 
 def backend(use_kernels: bool):
     """``(forward, backward)`` of the Triton kernels, or of the PyTorch tile-by-tile reference.
 
-    ``forward(q, k, v, problem, alibi_slopes=None, seed=0, packing=None) -> (o, lse)``;
-    ``backward(do, q, k, v, o, lse, problem, dlse=None, alibi_slopes=None, seed=0, packing=None)
-    -> (dq, dk, dv)``. ``alibi_slopes`` matters when ``problem.alibi``, ``seed`` when
+    ``forward(q, k, v, problem, alibi_slopes=None, seed=0, packing=None, sinks=None) -> (o, lse)``;
+    ``backward(do, q, k, v, o, lse, problem, dlse=None, alibi_slopes=None, seed=0, packing=None, sinks=None)
+    -> (dq, dk, dv, dsinks)`` (dsinks None without sinks). ``alibi_slopes`` matters when ``problem.alibi``, ``seed`` when
     ``problem.dropout_p`` > 0, and ``packing = (cu_seqlens_q, cu_seqlens_k)`` when ``problem.varlen``
     (packed sequences, whose reference is :func:`flashattn.reference.varlen_attention`).
     """
@@ -252,10 +275,9 @@ class AttentionFunction(torch.autograd.Function):
         """The forward pass alone, ``(o, lse)``, for calls that need no gradient: the same backend
         :meth:`forward` runs, without the autograd bookkeeping."""
         packing = None if cu_seqlens_q is None else (cu_seqlens_q, cu_seqlens_k)
-        o, lse = backend(use_kernels)[0](q, k, v, problem, alibi_slopes, seed, packing)
-        if sinks is not None:
-            o, lse = with_sinks(o, lse, sinks, problem.varlen)
-        return o, lse
+        if sinks is None:
+            return backend(use_kernels)[0](q, k, v, problem, alibi_slopes, seed, packing)
+        return backend(use_kernels)[0](q, k, v, problem, alibi_slopes, seed, packing, sinks.detach().contiguous())
 
     @staticmethod
     def forward(ctx, q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=None, seed: int = 0,
@@ -280,13 +302,10 @@ class AttentionFunction(torch.autograd.Function):
         if do is None:  # only the LSE was used
             do = torch.zeros_like(o)
         with _config.tuning_of(tuning):
-            grads = backend(use_kernels)[1](do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed,
-                                            None if cu_q is None else (cu_q, cu_k))
+            *grads, d_sinks = backend(use_kernels)[1](do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed,
+                                                      None if cu_q is None else (cu_q, cu_k), sinks)
         if use_kernels:
-            grads = not_twice(grads, do, dlse, q, k, v)
-        d_sinks = None
-        if sinks is not None and ctx.needs_input_grad[9]:
-            d_sinks = sinks_grad(do, o, lse, dlse, sinks, problem.varlen)
+            grads = not_twice(tuple(grads), do, dlse, q, k, v)
         return *grads, None, None, None, None, None, None, d_sinks
 
 

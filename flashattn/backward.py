@@ -473,7 +473,7 @@ def _second_stream(q: torch.Tensor, problem: Problem) -> torch.cuda.Stream | Non
 
 # --8<-- [start:bwd-launch]
 def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
-                       packing=None):
+                    packing=None, return_delta: bool = False):
     """Run the backward kernels on ``q``'s device (the preprocess, dK/dV and dQ; dQ with the preprocess's
     row statistics and first, where it runs on the current stream). Returns ``(dq, dk, dv)`` shaped like q, k, v.
 
@@ -481,12 +481,14 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
     reached the LSE output. dK and dV of a K/V head sum over its query heads. ``alibi_slopes`` and
     ``seed`` are the forward's (the dropout mask is drawn again from the seed, never stored). Packed
     sequences (``problem.varlen``) take the packed layouts and ``packing`` of
-    :func:`flashattn.forward.launch_forward`, with lse and dlse (Hq, total_q).
+    :func:`flashattn.forward.launch_forward`, with lse and dlse (Hq, total_q). With ``return_delta`` the
+    preprocess's row statistic comes back too, ``(dq, dk, dv, delta)``: delta = rowsum(dO * O) - dLSE,
+    float32 (B, Hq, N) or (1, Hq, total_q), or None where no kernel ran (what the sinks' gradient reads).
     """
     if interpreter_needs_float32(q):
         grads = launch_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, problem, dlse,
-                                   alibi_slopes, seed, packing)
-        return tuple(g.to(q.dtype) for g in grads)
+                                alibi_slopes, seed, packing, return_delta)
+        return (*(g.to(q.dtype) for g in grads[:3]), *grads[3:])
     p = problem
     # A repeated call replays the first one's launches with its own tensors (as in the forward),
     # the stream switches of dQ's second stream (large problems only) included.
@@ -498,7 +500,7 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
     inputs, free = (do, q, k, v, o, lse, dlse, alibi_slopes), seed_halves(p, seed)
     replayed = replay(key, inputs, free)
     if replayed is not None:
-        return replayed[:3]
+        return replayed[:4] if return_delta else replayed[:3]
     # dK/dV and dQ by the Hopper kernels in Gluon (large plain problems on sm_90, _config.gluon_kernel)
     gluon_dkdv = not p.varlen and _config.gluon_kernel("bwd_dkdv", p, q.device) and hopper.bwd.available()
     gluon_dq = not p.varlen and _config.gluon_kernel("bwd_dq", p, q.device) and hopper.bwd.dq_available()
@@ -506,7 +508,7 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
     if p.varlen:
         dq, dk, dv = dense_like(q), dense_like(k), dense_like(v)
         if p.total_q == 0 or p.total_k == 0:  # no query sees a key: every gradient is zero
-            return dq.zero_(), dk.zero_(), dv.zero_()
+            return (dq.zero_(), dk.zero_(), dv.zero_(), *((None,) if return_delta else ()))
         # (total, H, D) viewed as (1, H, total, D); the row-wise preprocess sees one sequence of total_q rows
         do, q, k, v, o, dq_view, dk_view, dv_view = (heads_first(x) for x in (do, q, k, v, o, dq, dk, dv))
         cu_q, cu_k = packing
@@ -596,5 +598,5 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
         run_dkdv(plan_dkdv, record)
     if record is not None:
         record.keep(inputs, (dq, dk, dv, delta, lse2), free, shared=(1, 2, 3))  # q, k, v, as in the key
-    return dq, dk, dv
+    return (dq, dk, dv, delta) if return_delta else (dq, dk, dv)
 # --8<-- [end:bwd-launch]

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from flashattn._memo import remember, table
-from flashattn.autograd import backend, sinks_grad, use_kernels, with_sinks
+from flashattn.autograd import backend, use_kernels
 from flashattn.problem import Problem, dense_like, in_layout, output_like
 
 
@@ -39,18 +39,18 @@ _PROBLEMS = table("custom_ops.problems")  # the operators' arguments that descri
 
 
 def _problem(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p, cu_seqlens_q=None,
-             max_seqlen_q=0, max_seqlen_k=0) -> Problem:
+             max_seqlen_q=0, max_seqlen_k=0, sinks=None) -> Problem:
     """The call's :class:`Problem`, kept per argument signature: a compiled model without CUDA graphs
     calls the operator itself every step, and building a Problem is a few microseconds of it."""
     packed = cu_seqlens_q is not None
-    key = (q.shape, k.shape, v.shape[-1], q.dtype, causal, scale, window_left, window_right, softcap, alibi_slopes is None,
+    key = (q.shape, k.shape, v.shape[-1], sinks is None, q.dtype, causal, scale, window_left, window_right, softcap, alibi_slopes is None,
            dropout_p, packed and (cu_seqlens_q.shape[0], max_seqlen_q, max_seqlen_k))
     problem = _PROBLEMS.get(key)
     if problem is None:
         # The operators spell the window as FlashAttention 2 does: a negative side is unbounded.
         window = (None if window_left < 0 else window_left, None if window_right < 0 else window_right)
         variants = dict(window=window, softcap=softcap, alibi=alibi_slopes is not None, dropout_p=dropout_p,
-                        head_dim_v=v.shape[-1])
+                        head_dim_v=v.shape[-1], sinks=sinks is not None)
         if packed:
             problem = Problem.packed(q, k, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, causal, scale,
                                      **variants)
@@ -71,10 +71,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
                       cu_seqlens_k: Tensor | None = None, max_seqlen_q: int = 0,
                       max_seqlen_k: int = 0, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     problem = _problem(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                       cu_seqlens_q, max_seqlen_q, max_seqlen_k)
-    o, lse = backend(use_kernels(q))[0](q, k, v, problem, alibi_slopes, seed, _packing(cu_seqlens_q, cu_seqlens_k))
-    if sinks is not None:
-        o, lse = with_sinks(o, lse, sinks, problem.varlen)
+                       cu_seqlens_q, max_seqlen_q, max_seqlen_k, sinks)
+    o, lse = backend(use_kernels(q))[0](q, k, v, problem, alibi_slopes, seed, _packing(cu_seqlens_q, cu_seqlens_k),
+                                        sinks)
     return in_layout(o, q), lse
 
 
@@ -96,10 +95,10 @@ def attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, l
                        cu_seqlens_k: Tensor | None = None, max_seqlen_q: int = 0,
                        max_seqlen_k: int = 0, sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     problem = _problem(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                       cu_seqlens_q, max_seqlen_q, max_seqlen_k)
-    dq, dk, dv = backend(use_kernels(q))[1](do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed,
-                                            _packing(cu_seqlens_q, cu_seqlens_k))
-    d_sinks = q.new_empty(0) if sinks is None else sinks_grad(do, o, lse, dlse, sinks, problem.varlen)
+                       cu_seqlens_q, max_seqlen_q, max_seqlen_k, sinks)
+    dq, dk, dv, d_sinks = backend(use_kernels(q))[1](do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed,
+                                                     _packing(cu_seqlens_q, cu_seqlens_k), sinks)
+    d_sinks = q.new_empty(0) if d_sinks is None else d_sinks
     return in_layout(dq, q), in_layout(dk, k), in_layout(dv, v), d_sinks
 
 

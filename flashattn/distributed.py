@@ -52,7 +52,7 @@ def _local_forward(q, k, v, causal: bool, scale: float):
 def _local_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     """Single-device backward of one shard pair, given the *global* o and lse: ``(dq, dk, dv)``."""
     _, backward = backend(use_kernels(q))
-    return backward(do, q, k, v, o, lse, Problem.of(q, k, causal, scale))
+    return backward(do, q, k, v, o, lse, Problem.of(q, k, causal, scale))[:3]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -120,10 +120,11 @@ def _attn_fwd_kernel(
     H_Q, GROUP, N_CTX_Q, N_CTX_K, qk_scale, N_BLOCKS, HEADS_PER_GROUP,  #
     CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, N_SEQS,  #
     win_left, win_right, cap_in, cap_out, SLOPES, stride_slope_b, seed_lo, seed_hi, drop_threshold, inv_keep,  #
+    SINKS,  # per-head sink logits (Hq,), read with HAS_SINKS
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    VARLEN: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    VARLEN: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # Causal rows late in the sequence see the most keys: those blocks launch first, so the short
     # ones fill the gaps at the end of the grid instead of the long ones trailing alone.
@@ -201,6 +202,19 @@ def _attn_fwd_kernel(
                                drop_threshold, True, CAUSAL, BLOCK_N, BLOCK_D,
                                HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT, BLOCK_DV)
 
+    # --8<-- [start:fwd-sinks]
+    if HAS_SINKS:
+        # The head's sink logit joins the denominator as one more base-2 score with no value
+        # (docs/math/sinks.md): the pivot becomes max(m_i, sink), the old state rescales to it, and the
+        # sink adds exp2(sink - pivot) to l_i. A row with no key and a sink of -inf keeps l_i = 0.
+        sink2 = tl.load(SINKS + i_hq).to(tl.float32) * LOG2E
+        m_new = tl.maximum(m_i, sink2)
+        m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_pivot)
+        l_i = l_i * alpha + tl.exp2(sink2 - m_pivot)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    # --8<-- [end:fwd-sinks]
     # --8<-- [start:fwd-lse-epilogue]
     # l_i >= 1 for every row that saw a key (its max contributes exp2(0) = 1), so l_i == 0 marks the
     # rows that saw none: they store o = 0 and lse = -inf instead of 0/0.
@@ -229,18 +243,19 @@ def _attn_fwd_kernel(
 
 # --8<-- [start:fwd-launch]
 def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem,
-                      alibi_slopes: torch.Tensor | None = None, seed: int = 0, packing=None):
+                   alibi_slopes: torch.Tensor | None = None, seed: int = 0, packing=None, sinks=None):
     """Run the forward kernel on ``q``'s device. Returns ``(o, lse)``: o like q, lse float32 (B, Hq, N),
     natural log. Inputs are validated by :mod:`flashattn.api`; any outer strides are used as they are.
     ``alibi_slopes`` (float32 (Hq,) or (B, Hq)) when ``problem.alibi``; ``seed`` (0 <= seed < 2^62) of
-    the dropout mask when ``problem.dropout_p`` > 0.
+    the dropout mask when ``problem.dropout_p`` > 0; ``sinks`` (Hq,) when ``problem.sinks``, joined in the
+    kernel's epilogue (o and lse are then those with the sinks).
 
     Packed sequences (``problem.varlen``): q is (total_q, Hq, D), k and v (total_k, Hkv, D), ``packing``
     is ``(cu_seqlens_q, cu_seqlens_k)`` (int32, on q's device, validated by :mod:`flashattn.varlen`),
     and lse is (Hq, total_q).
     """
     if interpreter_needs_float32(q):
-        o, lse = launch_forward(q.float(), k.float(), v.float(), problem, alibi_slopes, seed, packing)
+        o, lse = launch_forward(q.float(), k.float(), v.float(), problem, alibi_slopes, seed, packing, sinks)
         return o.to(q.dtype), lse
     p = problem
     # A call with the key of an earlier one (the problem, device, layouts, which of q, k, v are one
@@ -250,7 +265,7 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: P
     key = None if p.varlen or type(q) is not torch.Tensor else (
         p, q.device, q.stride(), k.stride(), v.stride(), alibi_slopes is not None and alibi_slopes.dim(),
         (k is q, v is q, v is k))
-    inputs, free = (q, k, v, alibi_slopes), seed_halves(p, seed)
+    inputs, free = (q, k, v, alibi_slopes, sinks), seed_halves(p, seed)
     replayed = replay(key, inputs, free)
     if replayed is not None:
         return replayed
@@ -285,7 +300,8 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: P
         args = (desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n, p.block_dv), o_view, lse,
                 o_view.stride(0), o_view.stride(1), o_view.stride(2),
                 p.heads_q, p.group, n_q, n_k, p.qk_scale, plan.n_blocks, plan.heads_per_group,
-                cu_q, cu_k, offsets, p.batch, *variant_abi(p, alibi_slopes, seed, lse)[1])
+                cu_q, cu_k, offsets, p.batch, *variant_abi(p, alibi_slopes, seed, lse)[1],
+                lse if sinks is None else sinks)
         launch(_attn_fwd_kernel, plan.grid, args, plan.constexprs, plan.options, record)
 
     if p.varlen:  # the fixed table entry: every new total would otherwise be a new plan (and autotuning)

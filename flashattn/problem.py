@@ -62,6 +62,7 @@ class Problem:
     # D_v, the head dim of v and o where it differs from q's and k's (e.g. 192 / 128 in DeepSeek's MLA
     # prefill); 0 when they share D
     head_dim_v: int = 0
+    sinks: bool = False  # the call passes per-head sink logits (flashattn.autograd.with_sinks)
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -87,7 +88,7 @@ class Problem:
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool = False, scale: float | None = None, *,
            window=None, softcap: float | None = 0.0, alibi: bool = False, dropout_p: float = 0.0,
-           head_dim_v: int = 0) -> "Problem":
+           head_dim_v: int = 0, sinks: bool = False) -> "Problem":
         """The description of attention of q (B, Hq, N, D) over k (B, Hkv, M, D); the caller validates.
 
         ``window = (left, right)`` takes ``None`` on a side for unbounded; ``softcap`` 0 or None is off;
@@ -96,19 +97,21 @@ class Problem:
         batch, heads_q, n, head_dim = q.shape
         m = k.shape[2]
         return cls(batch, heads_q, k.shape[1], n, m, head_dim, q.dtype, bool(causal), _scale(scale, head_dim),
-                   *_variants(n, m, causal, window, softcap, alibi, dropout_p), head_dim_v=int(head_dim_v))
+                   *_variants(n, m, causal, window, softcap, alibi, dropout_p), head_dim_v=int(head_dim_v),
+                   sinks=bool(sinks))
 
     @classmethod
     def packed(cls, q: torch.Tensor, k: torch.Tensor, n_seqs: int, max_seqlen_q: int, max_seqlen_k: int,
                causal: bool = False, scale: float | None = None, *, window=None, softcap: float | None = 0.0,
-               alibi: bool = False, dropout_p: float = 0.0, head_dim_v: int = 0) -> "Problem":
+               alibi: bool = False, dropout_p: float = 0.0, head_dim_v: int = 0, sinks: bool = False) -> "Problem":
         """The description of packed attention of q (total_q, Hq, D) over k (total_k, Hkv, D); the
         variants as :meth:`of` takes them, each acting inside every sequence alone."""
         total_q, heads_q, head_dim = q.shape
         n, m = int(max_seqlen_q), int(max_seqlen_k)
         return cls(n_seqs, heads_q, k.shape[1], n, m, head_dim, q.dtype, bool(causal), _scale(scale, head_dim),
                    *_variants(n, m, causal, window, softcap, alibi, dropout_p),
-                   layout="packed", total_q=total_q, total_k=k.shape[0], head_dim_v=int(head_dim_v))
+                   layout="packed", total_q=total_q, total_k=k.shape[0], head_dim_v=int(head_dim_v),
+                   sinks=bool(sinks))
 
     @classmethod
     def cache(cls, q: torch.Tensor, k_cache: torch.Tensor, capacity: int, causal: bool = True,

@@ -211,11 +211,12 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         o, lse = torch.ops.flashattn.attention_forward(
             q, k, v, causal, scale, -1 if left is None else left, -1 if right is None else right, softcap,
             alibi_slopes, dropout_p, int(seed) if dropout_p > 0 else 0, cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, sinks=sinks)
+            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            sinks=None if sinks is None else sinks.contiguous())
     else:
         problem = Problem.packed(q, k, n_seqs, max_seqlen_q, max_seqlen_k, causal, scale, window=window,
                                  softcap=softcap, alibi=alibi_slopes is not None, dropout_p=float(dropout_p),
-                                 head_dim_v=v.shape[-1])
+                                 head_dim_v=v.shape[-1], sinks=sinks is not None)
         args = (q, k, v, problem, use_kernels(q), alibi_slopes, dropout_seed(problem.dropout_p, generator, seed),
                 cu_seqlens_q, cu_seqlens_k, sinks)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad

@@ -195,3 +195,24 @@ def test_gpu_packed_and_cache_with_sinks_match_float64():
     ref = reference.kvcache_options_reference(qd.double(), kc.double(), vc.double(), lengths.cpu(), sinks=sinks.double())
     low = reference.kvcache_options_reference(qd, kc, vc, lengths.cpu(), sinks=sinks.to(torch.bfloat16))
     assert_close_ratio("o", od, ref[0], low[0])
+
+
+@cpu_only
+def test_interpreter_kernels_join_the_sinks_themselves(monkeypatch):
+    """On the kernels' path the forward joins the sinks in its epilogue and the sinks' gradient comes
+    from the backward's delta: neither pass over O in PyTorch (with_sinks, sinks_grad) runs, and the
+    results still match the float64 definition."""
+    from flashattn import autograd
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a PyTorch pass over O ran on the kernels' path")
+
+    monkeypatch.setattr(autograd, "with_sinks", refuse)
+    monkeypatch.setattr(autograd, "sinks_grad", refuse)
+    _dense_case(torch.float16, 2, 4, 2, 33, 40, 24, dict(causal=True))
+    lens = [9, 0, 17]
+    q, k, v = _randn(26, 4, 16), _randn(26, 2, 16, seed=1), _randn(26, 2, 16, seed=2)
+    sinks = _randn(4, dtype=torch.float32, seed=3).requires_grad_()
+    o = flashattn.attention_varlen(q, k, v, _cu(lens), _cu(lens), 17, 17, causal=True, sinks=sinks)
+    (g,) = torch.autograd.grad(o.float().sum(), sinks)
+    assert torch.isfinite(g).all() and g.abs().max() > 0
