@@ -293,16 +293,18 @@ def _benchmarks(arg: str, page=None) -> str:
     return importlib.reload(benchmarks_page).render(RESULTS, arg)  # `mkdocs serve` keeps the process
 
 
-def _ring(_arg: str, page=None) -> str:
-    """The committed two-GPU run of ``benchmarks.ring`` as a table (:func:`benchmarks.ring.markdown`)."""
+def _ring(arg: str, page=None) -> str:
+    """A committed run of ``benchmarks.ring`` as a table (:func:`benchmarks.ring.markdown`): the file the
+    directive names in ``benchmarks/results/``, the two-GPU ring run by default."""
     import json
 
     from benchmarks import ring
 
-    path = RESULTS / "ring_2gpu.json"
+    name = arg.strip() or "ring_2gpu.json"
+    path = RESULTS / name
     if not path.is_file():
         return ('!!! info "No results yet"\n\n'
-                "    `benchmarks/results/ring_2gpu.json` is not there: no multi-GPU run has been committed.\n")
+                f"    `benchmarks/results/{name}` is not there: no multi-GPU run has been committed.\n")
     return ring.markdown(json.loads(path.read_text(encoding="utf-8")))
 
 
