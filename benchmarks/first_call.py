@@ -90,8 +90,9 @@ def child(cfg, *, device="cuda", warmup=False, clock=time.perf_counter) -> dict:
     _, out["cuda_init_s"] = timed(lambda: torch.zeros(1, device=device))
     # torch's own first backward in a process imports torch.fx's symbolic shapes (and SymPy with it):
     # seconds that any library's first backward would pay, so they count with the process's one-time costs
+    # (with explicit grad_outputs, as the timed backward passes them: that check is what imports them)
     x = torch.ones(2, device=device, requires_grad=True)
-    _, out["torch_first_grad_s"] = timed(lambda: torch.autograd.grad((x * x).sum(), x))
+    _, out["torch_first_grad_s"] = timed(lambda: torch.autograd.grad(x * x, x, torch.ones_like(x)))
     q, k, v, _ = _inputs(torch, UNRELATED, device)
     _, out["unrelated_call_s"] = timed(lambda: flashattn.attention(q.detach(), k.detach(), v.detach()))
     if cfg is None:
