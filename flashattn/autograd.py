@@ -116,6 +116,9 @@ def _kernel_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slo
     else:
         _, backward, _, tensors = launchers()
         with tensors.on_device(q):
+            if sinks is None:
+                return (*backward.launch_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed, packing),
+                        None)
             *grads, delta = backward.launch_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed, packing,
                                                      return_delta=True)
     if sinks is None:

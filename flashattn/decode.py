@@ -152,9 +152,8 @@ def _check_lengths(seq_lens: torch.Tensor, block_table, p: Problem, num_pages: i
                  else seq_lens.new_zeros(()))
     stats.append(((cache_batch_idx < 0) | (cache_batch_idx >= entries)).sum() if cache_batch_idx is not None
                  else seq_lens.new_zeros(()))
-    # the last rotary position: cache_seqlens - cache_leftpad + max(Nq, Nnew) - 1
-    start = seq_lens.long() - (cache_leftpad.long() if cache_leftpad is not None else 0)
-    stats.append((start + max(p.n, p.n_new) > rotary_rows).sum() if rotary_rows else seq_lens.new_zeros(()))
+    # the last rotary position: cache_seqlens + max(Nq, Nnew) - 1
+    stats.append((seq_lens.long() + max(p.n, p.n_new) > rotary_rows).sum() if rotary_rows else seq_lens.new_zeros(()))
     values = torch.stack([x.long() for x in stats]).tolist()
     if values[0] < 0:
         raise ValueError(f"cache_seqlens must be non-negative, got a minimum of {values[0]}")
@@ -169,7 +168,7 @@ def _check_lengths(seq_lens: torch.Tensor, block_table, p: Problem, num_pages: i
         raise ValueError(f"cache_batch_idx must lie in [0, {entries}), the cache's entries")
     if values[5]:
         raise ValueError(f"rotary_cos has {rotary_rows} rows, fewer than the positions the call rotates "
-                         "(up to cache_seqlens - cache_leftpad + max(Nq, Nnew) - 1)")
+                         "(up to cache_seqlens + max(Nq, Nnew) - 1)")
 
 
 # --8<-- [start:decode-append]
@@ -308,9 +307,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         alibi_slopes: as in :func:`flashattn.attention`, distances within each sequence.
         sinks: per-head sink logits (Hq,), as in :func:`flashattn.attention`.
         rotary_cos: (seqlen_ro, R / 2) cosines (:mod:`flashattn.rotary`): the first R dims of k_new are
-            rotated at positions ``cache_seqlens[b] - cache_leftpad[b] + t`` before they are appended,
-            and q's at the same positions when causal or windowed, else all at
-            ``cache_seqlens[b] - cache_leftpad[b]`` (flash_attn's convention).
+            rotated at positions ``cache_seqlens[b] + t`` (the rows they are written to, left padding
+            included) before they are appended, and q's at the same positions when causal or windowed,
+            else all at ``cache_seqlens[b]`` (flash_attn's convention, as its own tests check it).
         rotary_sin: the sines that go with ``rotary_cos``.
         rotary_interleaved: rotate pairs (2i, 2i + 1) instead of (i, i + R/2).
         cache_leftpad: (B,) int32: sequence b's keys start at row ``cache_leftpad[b]`` of its cache
@@ -349,7 +348,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             raise ValueError(f"rotary_cos has {rotary_rows} rows, fewer than the positions the call rotates "
                              f"(up to cache_seqlens + max(Nq, Nnew) - 1 = {int(cache_seqlens) + max(p.n, p.n_new) - 1})")
         if rotary_cos is not None:
-            start = seq_lens - cache_leftpad if cache_leftpad is not None else seq_lens
+            start = seq_lens  # the cache rows the new keys land in: absolute, left padding included
             same = not (causal or window is not None)
             q = apply_rotary(q, rotary_cos, rotary_sin, _positions(start, p.n, same), rotary_interleaved)
             if k_new is not None:

@@ -552,8 +552,8 @@ def kvcache_options_reference(q, k_cache, v_cache, cache_seqlens, k_new=None, v_
                               *, window=None, softcap=0.0, alibi_slopes=None, sinks=None, rotary_cos=None,
                               rotary_sin=None, rotary_interleaved=False, cache_leftpad=None, cache_batch_idx=None):
     """``flash_attn_with_kvcache``'s options by their definitions, one sequence at a time: rotate q and
-    k_new (:func:`flashattn.rotary.apply_rotary`, at ``cache_seqlens - cache_leftpad`` onwards; q all at
-    that position when neither causal nor windowed), append into cache entry ``cache_batch_idx[b]``,
+    k_new (:func:`flashattn.rotary.apply_rotary`, at ``cache_seqlens`` onwards, the rows they land in; q
+    all at that position when neither causal nor windowed), append into cache entry ``cache_batch_idx[b]``,
     then :func:`naive_attention` over rows ``cache_leftpad[b] .. L_b`` with the variants. Non-paged
     cache; returns ``(o (B, Nq, Hq, D), lse (B, Hq, Nq), k_cache, v_cache)`` (new caches, inputs kept)."""
     from flashattn.rotary import apply_rotary
@@ -569,7 +569,7 @@ def kvcache_options_reference(q, k_cache, v_cache, cache_seqlens, k_new=None, v_
         q_b = q[b:b + 1]
         k_b = None if k_new is None else k_new[b:b + 1]
         if rotary_cos is not None:
-            start = length - pad
+            start = length
             steps = torch.arange(n_q) if (causal or window is not None) else torch.zeros(n_q, dtype=torch.long)
             q_b = apply_rotary(q_b, rotary_cos, rotary_sin, (start + steps)[None].to(q.device), rotary_interleaved)
             if k_b is not None:
