@@ -36,7 +36,7 @@ MAX_GROUPS = 60  # rows of the grouped table in summary.md; results.json has eve
 CATEGORIES = ("passed", "failed", "not_implemented", "no_probs", "skipped", "error", "timeout", "not_run")
 HEADINGS = {"passed": "passed", "failed": "failed (wrong result)", "not_implemented": "NotImplemented",
             "no_probs": "needs probs", "skipped": "skipped by test", "error": "error", "timeout": "timeout",
-            "not_run": "not run (budget)"}
+            "not_run": "not run"}
 
 
 def git_blob_id(path: Path) -> str:
@@ -178,7 +178,7 @@ def markdown(table: dict[str, dict], items: dict[str, dict], meta: dict) -> str:
     out += ["", "Categories: *failed* is an upstream assertion that did not hold (a wrong result); *NotImplemented* "
             "a NotImplementedError (flashattn refusing a feature); *needs probs* an item that read the attention "
             "probabilities flash_attn returns with return_attn_probs=True, which flashattn returns as None; "
-            "*error* any other exception (including a crashed worker); *not run* items the time budget left out."]
+            "*error* any other exception (including a crashed worker); *not run* sampled items that never started (the time budget was spent, or the run was stopped)."]
     return "\n".join(out) + "\n"
 
 
@@ -200,8 +200,15 @@ def main(argv=None) -> int:
     parser.add_argument("--fake-capability", default="9.0",
                         help="with --collect-only and no CUDA device: the capability reported to the "
                              "upstream module's import-time checks (default: H100's)")
+    parser.add_argument("--summarize-only", action="store_true",
+                        help="only rebuild results.json and summary.md from --out (e.g. after a killed run)")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args(argv)
+    if args.summarize_only:
+        out = args.out.resolve()
+        meta = json.loads((out / "run_meta.json").read_text())
+        last = max([out / "items.jsonl", out / "collection.json"], key=lambda p: p.stat().st_mtime if p.exists() else 0)
+        return write_report(out, "unknown (--summarize-only)", last.stat().st_mtime - meta["start"])
     args.test_file = args.test_file.resolve()
     if not args.test_file.is_file():
         print(f"{args.test_file} is missing. It is not committed; get it with\n"
@@ -210,7 +217,7 @@ def main(argv=None) -> int:
         return 2
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("items.jsonl", "collection.json"):
+    for name in ("items.jsonl", "collection.json", "run_meta.json", "results.json", "summary.md"):
         (out / name).unlink(missing_ok=True)
     blob = git_blob_id(args.test_file)
     if blob != UPSTREAM_BLOB:
@@ -219,56 +226,97 @@ def main(argv=None) -> int:
 
     start = time.time()
     cmd = pytest_command(args, out, start + args.budget_s)
+    meta = {"upstream_ref": UPSTREAM_REF, "upstream_url": UPSTREAM_URL, "test_file": str(args.test_file),
+            "test_file_blob": blob, "test_file_is_upstream": blob == UPSTREAM_BLOB, "per_function": args.per_function,
+            "seed": args.seed, "only": args.only, "budget_s": args.budget_s, "timeout_s": args.timeout_s,
+            "workers": args.workers, "command": cmd, "start": start, "flashattn": flashattn_revision()}
+    (out / "run_meta.json").write_text(json.dumps(meta, indent=1))
     # Hard stop: the budget, then one item's timeout for the items in flight, then a margin.
     hard_limit = None if args.collect_only else args.budget_s + args.timeout_s + 60
+    rc = run_pytest(cmd, out, hard_limit)
+    if args.collect_only:
+        return print_collection(out, args.per_function, rc)
+    return write_report(out, rc, time.time() - start)
+
+
+class Stopped(Exception):
+    pass
+
+
+def _stop(signum, frame):
+    raise Stopped(signal.Signals(signum).name)
+
+
+def run_pytest(cmd: list[str], out: Path, hard_limit: float | None):
+    """pytest in its own process group, output to pytest.log; returns its exit status, or why it was
+    stopped (the hard limit, or a signal to this script: the items recorded so far are still reported)."""
     with open(out / "pytest.log", "w") as log:
         log.write(" ".join(cmd) + "\n\n")
         log.flush()
         proc = subprocess.Popen(cmd, cwd=str(REPO), env=child_env(), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+        previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            rc = proc.wait(timeout=hard_limit)
-        except subprocess.TimeoutExpired:
+            return proc.wait(timeout=hard_limit)
+        except (subprocess.TimeoutExpired, Stopped) as why:
+            reason = f"stopped at the hard limit of {hard_limit:.0f} s" if isinstance(why, subprocess.TimeoutExpired) \
+                else f"stopped by {why}"
+            for sig in previous:  # a repeated signal must not cut the cleanup and the report short
+                signal.signal(sig, signal.SIG_IGN)
             os.killpg(proc.pid, signal.SIGTERM)  # the pytest process group this script started
             try:
-                rc = proc.wait(timeout=20)
+                proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-                rc = proc.wait()
-            print(f"pytest stopped after the hard limit of {hard_limit:.0f} s", file=sys.stderr)
-    wall = time.time() - start
+                proc.wait()
+            print(f"pytest {reason}", file=sys.stderr)
+            return reason
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
-    collection_path = out / "collection.json"
-    if not collection_path.is_file():
-        print(f"no collection record: pytest exited {rc} before collecting; see {out / 'pytest.log'}:",
+
+def load_collection(out: Path, rc) -> dict | None:
+    path = out / "collection.json"
+    if not path.is_file():
+        print(f"no collection record: pytest ({rc}) stopped before collecting; see {out / 'pytest.log'}:",
               file=sys.stderr)
         print((out / "pytest.log").read_text()[-4000:], file=sys.stderr)
-        return 1
-    collection = json.loads(collection_path.read_text())
-    if args.collect_only:
-        table = summarize(collection["collected"], {})
-        for nodeid in collection["sampled"]:
-            table[nodeid.split("::")[-1].split("[")[0]]["sampled"] += 1
-        width = max(len(n) for n in table)
-        print(f"{'test function':{width}}  collected  sampled (--per-function {args.per_function or 'all'})")
-        for name, row in table.items():
-            print(f"{name:{width}}  {row['collected']:9d}  {row['sampled']:7d}")
-        print(f"{'total':{width}}  {sum(r['collected'] for r in table.values()):9d}  "
-              f"{sum(r['sampled'] for r in table.values()):7d}")
-        print(f"pytest exit {rc}; environment: {collection['environment']}")
-        return 0 if rc == 0 else 1
+        return None
+    return json.loads(path.read_text())
 
+
+def print_collection(out: Path, per_function: int, rc) -> int:
+    collection = load_collection(out, rc)
+    if collection is None:
+        return 1
+    table = summarize(collection["collected"], {})
+    for nodeid in collection["sampled"]:
+        table[nodeid.split("::")[-1].split("[")[0]]["sampled"] += 1
+    width = max(len(n) for n in table)
+    print(f"{'test function':{width}}  collected  sampled (--per-function {per_function or 'all'})")
+    for name, row in table.items():
+        print(f"{name:{width}}  {row['collected']:9d}  {row['sampled']:7d}")
+    print(f"{'total':{width}}  {sum(r['collected'] for r in table.values()):9d}  "
+          f"{sum(r['sampled'] for r in table.values()):7d}")
+    print(f"pytest exit {rc}; environment: {collection['environment']}")
+    return 0 if rc == 0 else 1
+
+
+def write_report(out: Path, rc, wall: float) -> int:
+    """results.json and summary.md from what the run left in ``out``; also usable on the folder of a
+    run that was killed (``--summarize-only``)."""
+    collection = load_collection(out, rc)
+    if collection is None:
+        return 1
+    meta = json.loads((out / "run_meta.json").read_text())
     lines = []
     if (out / "items.jsonl").is_file():
         lines = [json.loads(line) for line in (out / "items.jsonl").read_text().splitlines() if line.strip()]
     items = fold(lines, collection["sampled"])
     table = summarize(collection["collected"], items)
-    meta = {"upstream_ref": UPSTREAM_REF, "upstream_url": UPSTREAM_URL, "test_file_blob": blob,
-            "test_file_is_upstream": blob == UPSTREAM_BLOB, "per_function": args.per_function, "seed": args.seed,
-            "only": args.only, "budget_s": args.budget_s, "timeout_s": args.timeout_s, "workers": args.workers,
-            "wall_s": wall, "pytest_rc": rc, "command": cmd, "environment": collection.get("environment"),
-            "flashattn": flashattn_revision(),
-            "collection_errors": [line for line in lines if line["when"] == "collect"]}
+    meta.update({"wall_s": wall, "pytest_rc": rc, "environment": collection.get("environment"),
+                 "collection_errors": [line for line in lines if line["when"] == "collect"]})
     (out / "results.json").write_text(json.dumps({"meta": meta, "summary": table, "items": list(items.values())},
                                                  indent=1))
     text = markdown(table, items, meta)

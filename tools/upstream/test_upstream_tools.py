@@ -182,3 +182,8 @@ def test_a_spent_budget_runs_nothing(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((out / "results.json").read_text())["summary"]
     assert summary["test_x"]["not_run"] == 5 and summary["test_x"]["passed"] == 0
+    (out / "results.json").unlink()
+    again = subprocess.run([sys.executable, str(HERE / "run.py"), "--summarize-only", "--out", str(out)],
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert json.loads((out / "results.json").read_text())["summary"] == summary
