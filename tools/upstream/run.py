@@ -5,9 +5,10 @@ function.
     PYTHONPATH=.:tools/upstream python tools/upstream/run.py --out $OUT/upstream --budget-s 240
     python tools/upstream/run.py --collect-only          # no GPU needed: import and count the items
 
-Writes ``items.jsonl`` (one line per pytest report, as they arrive), ``collection.json``,
-``pytest.log``, ``results.json`` (every sampled item's outcome) and ``summary.md`` under ``--out``.
-Compiled kernels go to a cache under /tmp; nothing else is written.
+Writes ``run_meta.json``, ``items.jsonl`` (one line per pytest report, as they arrive),
+``collection.json``, ``pytest.log``, ``results.json`` (every sampled item's outcome) and ``summary.md``
+under ``--out`` (``--summarize-only`` rebuilds the last two from the others). Compiled kernels go to a
+cache under /tmp; nothing else is written.
 """
 
 from __future__ import annotations
