@@ -216,3 +216,17 @@ def test_interpreter_kernels_join_the_sinks_themselves(monkeypatch):
     o = flashattn.attention_varlen(q, k, v, _cu(lens), _cu(lens), 17, 17, causal=True, sinks=sinks)
     (g,) = torch.autograd.grad(o.float().sum(), sinks)
     assert torch.isfinite(g).all() and g.abs().max() > 0
+
+
+@gpu
+@needs_cuda
+def test_gpu_repeated_calls_take_each_calls_sinks():
+    """A repeated call replays the first one's launches (flashattn.launch): the sinks are one of its
+    bound inputs, so a second call with other sink values gives that call's result, not the first's."""
+    q, k, v = (_randn(2, 8, 512, 64, dtype=torch.bfloat16, seed=s) for s in range(3))
+    ref = lambda s: reference.naive_attention(q.double(), k.double(), v.double(), causal=True,  # noqa: E731
+                                              sinks=s.double())[0]
+    low = lambda s: reference.naive_attention(q, k, v, causal=True, sinks=s.to(torch.bfloat16))[0]  # noqa: E731
+    for seed in (10, 11, 12):  # the first call records, the later ones replay
+        sinks = _randn(8, dtype=torch.float32, seed=seed, std=3.0)
+        assert_close_ratio("o", flashattn.attention(q, k, v, causal=True, sinks=sinks), ref(sinks), low(sinks))
