@@ -230,3 +230,21 @@ def test_gpu_repeated_calls_take_each_calls_sinks():
     for seed in (10, 11, 12):  # the first call records, the later ones replay
         sinks = _randn(8, dtype=torch.float32, seed=seed, std=3.0)
         assert_close_ratio("o", flashattn.attention(q, k, v, causal=True, sinks=sinks), ref(sinks), low(sinks))
+
+
+def test_a_sink_of_minus_infinity_on_rows_with_no_key_gives_no_nan():
+    """A sink of -inf is no sink: rows that see no key keep o = 0 and lse = -inf, and no gradient is NaN
+    (-inf - (-inf) would be), on the reference path and in the identity the other paths use."""
+    from flashattn.autograd import sinks_grad, with_sinks
+
+    q, k, v = (torch.randn(1, 2, 6, 16, dtype=torch.float64) for _ in range(3))
+    k, v = k[:, :, :3], v[:, :, :3]  # causal, N = 6 > M = 3: rows 0-2 see no key
+    sinks = torch.tensor([float("-inf"), 0.5], dtype=torch.float64, requires_grad=True)
+    o, lse = flashattn.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    (g,) = torch.autograd.grad(o.sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum(), sinks)
+    assert not o.isnan().any() and not g.isnan().any()
+    assert (o[0, 0, :3] == 0).all() and torch.isinf(lse[0, 0, :3]).all() and g[0] == 0
+    o_p, lse_p = reference.naive_attention(q, k, v, causal=True)
+    o2, lse2 = with_sinks(o_p, lse_p, sinks.detach(), packed=False)
+    assert not o2.isnan().any() and torch.equal(lse2[0, 0, :3], lse_p[0, 0, :3])
+    assert not sinks_grad(torch.ones_like(o2), o2, lse2, None, sinks.detach(), False).isnan().any()
