@@ -46,19 +46,27 @@ def git_blob_id(path: Path) -> str:
 
 
 def flashattn_revision() -> dict:
-    """The checked-out commit and whether flashattn/ differs from it, where a git checkout is present
-    (read-only: no index refresh)."""
+    """What flashattn code ran: the SHA-256 of its sources (benchmarks.provenance's rule, the one every
+    results file records), and the checked-out commit with whether flashattn/ differs from it where this
+    folder is itself a git checkout (read-only: no index refresh). A copy without its own ``.git`` (an
+    exported snapshot) would otherwise report the HEAD of whatever repository lies above it."""
+    from benchmarks.provenance import sources_sha256
+
+    info = {"commit": None, "sources_sha256": sources_sha256(REPO / "flashattn")}
+    if not (REPO / ".git").exists():
+        return info
+
     def git(*args):
         return subprocess.run(["git", "--no-optional-locks", "-C", str(REPO), *args], capture_output=True,
                               text=True, timeout=30)
     try:
         head = git("rev-parse", "HEAD")
         if head.returncode != 0:
-            return {"commit": None}
+            return info
         dirty = git("diff", "--quiet", "HEAD", "--", "flashattn").returncode == 1
-        return {"commit": head.stdout.strip(), "flashattn_modified": dirty}
+        return {**info, "commit": head.stdout.strip(), "flashattn_modified": dirty}
     except (OSError, subprocess.TimeoutExpired):
-        return {"commit": None}
+        return info
 
 
 def pytest_command(args, out: Path, deadline: float) -> list[str]:
@@ -143,8 +151,9 @@ def markdown(table: dict[str, dict], items: dict[str, dict], meta: dict) -> str:
     out = [f"# flash_attn {UPSTREAM_REF} tests/test_flash_attn.py against flashattn", ""]
     env = meta.get("environment") or {}
     out.append(f"- device: {env.get('cuda_device')}; torch {env.get('torch')}, triton {env.get('triton')}")
-    out.append(f"- flashattn: {meta['flashattn'].get('commit')}"
-               + (" (flashattn/ modified)" if meta["flashattn"].get("flashattn_modified") else ""))
+    out.append(f"- flashattn: commit {meta['flashattn'].get('commit') or 'unknown (no git checkout here)'}"
+               + (" (flashattn/ modified)" if meta["flashattn"].get("flashattn_modified") else "")
+               + f"; sources sha256 {(meta['flashattn'].get('sources_sha256') or 'unknown')[:12]}")
     out.append(f"- upstream file: {meta['test_file_blob']} ({'the' if meta['test_file_is_upstream'] else 'NOT the'} "
                f"{UPSTREAM_REF} blob)")
     out.append(f"- sample: {meta['per_function'] or 'all'} per function, seed {meta['seed']}; per-item timeout "
