@@ -199,17 +199,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks.first_call needs a CUDA GPU: nothing was measured or written", file=sys.stderr)
         return 2
-    from benchmarks import results as results_mod, side
+    from benchmarks import side
 
     modes = ("plain", "warmup") if args.warmup else ("plain",)
     measured = measure(CONFIGS, modes=modes)
     result = side.record("time to the first call of a configuration, cold and warm Triton cache",
                          torch.device("cuda"), measured["rows"], prime=measured["prime"], unrelated=UNRELATED,
                          how=HOW)
-    table = markdown(result)
-    results_mod.save_table(args.out, "first_call", result, table)
-    print(table)
-    return 0
+    return side.write(args.out, "first_call", result, markdown)
 
 
 if __name__ == "__main__":

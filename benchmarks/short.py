@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from benchmarks import latency, providers as providers_mod, results as results_mod, side
+from benchmarks import latency, providers as providers_mod, side
 from benchmarks.grid import Setting
 
 # (B, H, N, D, dtype, causal): 24 shapes, 12 at each head dim; every N of the section, B x H 16..512.
@@ -185,11 +185,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks.short needs a CUDA GPU: nothing was measured or written", file=sys.stderr)
         return 2
-    result = run(torch.device("cuda"), make_shapes(dtypes), chosen, budget_s=args.budget_s)
-    table = markdown(result)
-    results_mod.save_table(args.out, "short", result, table)
-    print(table)
-    return 0
+    return side.write(args.out, "short", run(torch.device("cuda"), make_shapes(dtypes), chosen, budget_s=args.budget_s),
+                      markdown)
 
 
 if __name__ == "__main__":

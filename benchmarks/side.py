@@ -1,4 +1,5 @@
-"""What the small side benchmarks share (``autograd_paths``, ``decode_splits``, ``split_kv_rule``): the
+"""What the small side benchmarks share (``autograd_paths``, ``decode_splits``, ``split_kv_rule``, ``short``,
+``first_call``): the
 record of the machine and code they measured, and their command line (``--out DIR``, a CUDA GPU
 required, ``DIR/NAME.json`` and ``DIR/NAME.md`` written, the table printed)."""
 
@@ -33,8 +34,12 @@ def main(argv, doc: str, name: str, run, markdown) -> int:
     if not torch.cuda.is_available():
         print(f"benchmarks.{name} needs a CUDA GPU", file=sys.stderr)
         return 2
-    result = run(torch.device("cuda"))
+    return write(args.out, name, run(torch.device("cuda")), markdown)
+
+
+def write(out: pathlib.Path, name: str, result: dict, markdown) -> int:
+    """Save ``out/name.json`` and ``.md`` (the table ``markdown(result)``), print the table; returns 0."""
     table = markdown(result)
-    results_mod.save_table(args.out, name, result, table)
+    results_mod.save_table(out, name, result, table)
     print(table)
     return 0

@@ -189,13 +189,9 @@ def sinks_grad(do, o, lse, dlse, sinks: torch.Tensor, packed: bool) -> torch.Ten
     delta = (_wide(do) * _wide(o)).sum(-1)  # (B, Hq, N) dense, (total, Hq) packed
     if packed:
         delta = delta.transpose(0, 1)  # (Hq, total), lse's layout
-    lse_w = _wide(lse)
     if dlse is not None:
         delta = delta - dlse.to(delta.dtype)
-    p_sink = torch.exp(_row_shape(sinks.to(lse_w.dtype), packed) - lse_w)
-    p_sink = torch.where(lse_w == float("-inf"), 0.0, p_sink)  # no key and a sink of -inf: nothing flows
-    dims = (1,) if packed else (0, 2)
-    return -(p_sink * delta.to(lse_w.dtype)).sum(dims).to(sinks.dtype)
+    return sinks_grad_from_delta(delta, lse, sinks, packed)
 
 
 def sinks_grad_from_delta(delta: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, packed: bool) -> torch.Tensor:
@@ -203,7 +199,7 @@ def sinks_grad_from_delta(delta: torch.Tensor, lse: torch.Tensor, sinks: torch.T
     (lse's layout, float32): a reduction over the rows alone, with no pass over O or dO."""
     lse_w = _wide(lse)
     p_sink = torch.exp(_row_shape(sinks.to(lse_w.dtype), packed) - lse_w)
-    p_sink = torch.where(lse_w == float("-inf"), 0.0, p_sink)
+    p_sink = torch.where(lse_w == float("-inf"), 0.0, p_sink)  # no key and a sink of -inf: nothing flows
     return -(p_sink * delta.to(lse_w.dtype)).sum((1,) if packed else (0, 2)).to(sinks.dtype)
 # --8<-- [end:sinks]
 

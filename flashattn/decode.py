@@ -24,7 +24,7 @@ from flashattn.api import check_dtype_for_device, check_flag, check_scale, check
 from flashattn.autograd import launchers, use_kernels, with_sinks
 from flashattn.problem import Problem
 from flashattn.rotary import apply_rotary
-from flashattn.varlen import attention_varlen
+from flashattn.varlen import attention_varlen, cached_key_rows
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
@@ -201,8 +201,8 @@ def _check_index(name, x, batch, device):
         raise ValueError(f"{name} must be on the device of q ({device}), got {x.device}")
 
 
-def _validate_extras(q, k_cache, k_new, block_table, window, softcap, alibi_slopes, sinks, rotary_cos, rotary_sin,
-                     rotary_interleaved, cache_leftpad, cache_batch_idx):
+def _validate_extras(q, block_table, window, softcap, alibi_slopes, sinks, rotary_cos, rotary_sin, rotary_interleaved,
+                     cache_leftpad, cache_batch_idx):
     """The options beyond the split-KV kernels' own: variants, sinks, rotary, left padding, batch index."""
     batch, _, h_q, d = q.shape
     window, softcap = check_variants(q, batch, h_q, window, softcap, alibi_slopes, 0.0)
@@ -236,6 +236,15 @@ def _positions(start: torch.Tensor, n: int, same: bool) -> torch.Tensor:
     return start.long()[:, None] + steps
 
 
+def _outputs(o, lse, sinks, return_lse: bool):
+    """The call's result: ``o`` (B, Nq, Hq, D) and ``lse`` (B, Hq, Nq) with the sinks joined (a decoding
+    step's few rows, by :func:`flashattn.autograd.with_sinks`), o alone unless ``return_lse``."""
+    if sinks is not None:
+        o_heads, lse = with_sinks(o.transpose(1, 2), lse, sinks, packed=False)
+        o = o_heads.transpose(1, 2)
+    return (o, lse) if return_lse else o
+
+
 # --8<-- [start:decode-general]
 def _attend_gathered(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, p: Problem, variants: dict,
                      cache_leftpad, cache_batch_idx):
@@ -255,15 +264,7 @@ def _attend_gathered(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, p
     total, longest, shortest = torch.stack([cu_k[-1], counts.max(), counts.min()]).tolist()
     if shortest < 0:
         raise ValueError("cache_leftpad must not exceed cache_seqlens + Nnew")
-    key = torch.arange(total, device=device)
-    seq = torch.searchsorted(cu_k[1:], key, right=True)  # the sequence of each packed key
-    j = key - cu_k[seq] + starts[seq]  # its position in the sequence's cache entry
-    if block_table is not None:
-        page_size = k_cache.shape[1]
-        rows = block_table[seq, j // page_size].long() * page_size + j % page_size
-    else:
-        entry = cache_batch_idx.long()[seq] if cache_batch_idx is not None else seq
-        rows = entry * k_cache.shape[1] + j
+    rows = cached_key_rows(cu_k, total, k_cache.shape[1], block_table, starts, cache_batch_idx)
     k = k_cache.flatten(0, 1).index_select(0, rows)
     v = v_cache.flatten(0, 1).index_select(0, rows)
     cu_q = torch.arange(0, (batch + 1) * n_q, n_q, dtype=torch.int32, device=device)
@@ -331,8 +332,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     p = _validate(q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal, scale, block_table, num_splits,
                   return_lse, cache_batch_idx)
-    window, softcap = _validate_extras(q, k_cache, k_new, block_table, window, softcap, alibi_slopes, sinks,
-                                       rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad, cache_batch_idx)
+    window, softcap = _validate_extras(q, block_table, window, softcap, alibi_slopes, sinks, rotary_cos, rotary_sin,
+                                       rotary_interleaved, cache_leftpad, cache_batch_idx)
     general = (window is not None or softcap or alibi_slopes is not None or cache_leftpad is not None
                or cache_batch_idx is not None)
     checked = False
@@ -358,10 +359,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             variants = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes)
             o, lse = _attend_gathered(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, p, variants,
                                       cache_leftpad, cache_batch_idx)
-            if sinks is not None:
-                o_t, lse = with_sinks(o.transpose(1, 2), lse, sinks, packed=False)
-                o = o_t.transpose(1, 2)
-            return (o, lse) if return_lse else o
+            return _outputs(o, lse, sinks, return_lse)
     if num_splits is not None:
         num_splits = int(num_splits)  # an integral type of numpy's, say: the launchers take Python ints
     kernels = use_kernels(q)
@@ -393,7 +391,4 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             q.to(acc), k_cache.to(acc), v_cache.to(acc), lengths, causal=p.causal, scale=p.scale,
             block_table=block_table)
         o = o.to(q.dtype)
-    if sinks is not None:
-        o_t, lse = with_sinks(o.transpose(1, 2), lse, sinks, packed=False)
-        o = o_t.transpose(1, 2)
-    return (o, lse) if return_lse else o
+    return _outputs(o, lse, sinks, return_lse)

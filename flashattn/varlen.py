@@ -100,20 +100,31 @@ def _check_block_table(k, v, block_table, cu_seqlens_k, max_seqlen_k):
                          f"fewer than max_seqlen_k = {max_seqlen_k}")
 
 
+def cached_key_rows(cu_k: torch.Tensor, total: int, rows_per_entry: int, block_table=None, starts=None,
+                    entries=None) -> torch.Tensor:
+    """For each of the ``total`` packed keys of sequences bounded by ``cu_k``, the row of the flattened
+    cache that holds it: key j of sequence b sits at position ``p = starts[b] + j`` (starts 0 when None)
+    of its cache entry, slot ``p % page_size`` of page ``block_table[b, p // page_size]`` of a paged
+    cache (``rows_per_entry`` = page_size), else row ``entries[b] * Mmax + p`` of a (B, Mmax) cache
+    (``rows_per_entry`` = Mmax; entries b when None)."""
+    key = torch.arange(total, device=cu_k.device, dtype=cu_k.dtype)
+    seq = torch.searchsorted(cu_k[1:], key, right=True)  # the sequence of each packed key
+    pos = (key - cu_k[seq]).long() + (starts.long()[seq] if starts is not None else 0)
+    if block_table is not None:
+        return block_table[seq, pos // rows_per_entry].long() * rows_per_entry + pos % rows_per_entry
+    return (entries.long()[seq] if entries is not None else seq) * rows_per_entry + pos
+
+
 def _gather_pages(k, v, block_table, cu_seqlens_k):
-    """k and v of a paged cache as packed (total_k, Hkv, D) tensors: key j of sequence b is slot
-    ``j % page_size`` of page ``block_table[b, j // page_size]``. One gather (a copy of the keys and
-    values the sequences use; autograd sends their gradients back to the pages), and two host syncs (total_k,
-    then the check of the page ids). Pages past a sequence's length are never read, and a page id out of range raises."""
+    """k and v of a paged cache as packed (total_k, Hkv, D) tensors (:func:`cached_key_rows`). One gather
+    (a copy of the keys and values the sequences use; autograd sends their gradients back to the pages),
+    and two host syncs (total_k, then the check of the page ids). Pages past a sequence's length are never
+    read, and a page id out of range raises."""
     num_pages, page_size = k.shape[0], k.shape[1]
     total_k = int(cu_seqlens_k[-1])
-    key = torch.arange(total_k, device=k.device, dtype=torch.int32)
-    seq = torch.searchsorted(cu_seqlens_k, key, right=True) - 1  # the sequence of each packed key
-    j = key - cu_seqlens_k[seq]  # its index inside the sequence
-    page = block_table[seq, j // page_size].long()
-    if total_k and not bool(((page >= 0) & (page < num_pages)).all()):
+    rows = cached_key_rows(cu_seqlens_k, total_k, page_size, block_table)
+    if total_k and not bool(((rows >= 0) & (rows < num_pages * page_size)).all()):  # a page id in range
         raise ValueError(f"block_table names a page outside the cache's {num_pages} pages")
-    rows = page * page_size + (j % page_size)
     return k.flatten(0, 1).index_select(0, rows), v.flatten(0, 1).index_select(0, rows)
 
 
