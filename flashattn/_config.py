@@ -105,6 +105,10 @@ _SM90 = {
 # and one warpgroup on 64 x 128 for dQ at D <= 64 (docs/kernels/tuning-log.md#eight-keys-per-draw).
 _SM90_WINDOW = {
     ("fwd", 128): KernelConfig(128, 128, 8, 3),
+    # 32 x 64 dK/dV tiles on one warpgroup under a window at D = 128: the packed backward of
+    # benchmarks.varlen's window run in 0.97 ms against the table tile's 1.77
+    # (docs/kernels/tuning-log.md#window-tiles-for-dkdv-at-d-128-issue-49)
+    ("bwd_dkdv", 128): KernelConfig(32, 64, 4, 3),
 }
 _SM90_DROPOUT = {
     **{("fwd", block_d): KernelConfig(64, 64, 4, 2) for block_d in (16, 32, 64, 128)},
@@ -182,6 +186,11 @@ _TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("flashattn_tuni
 
 def current_tuning() -> Tuning:
     return _TUNING.get()
+
+
+def is_default(tuning: Tuning) -> bool:
+    """Whether ``tuning`` (one :func:`current_tuning` returned earlier) pins nothing."""
+    return tuning is _DEFAULT_TUNING
 
 
 def tuning_is_default() -> bool:

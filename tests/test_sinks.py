@@ -102,6 +102,7 @@ DENSE = [  # (name, B, Hq, Hkv, N, M, D, options)
     ("causal-empty-rows", 1, 2, 1, 45, 20, 40, dict(causal=True)),
     ("window-softcap-dropout", 2, 2, 2, 37, 37, 16, dict(causal=True, window=(9, 0), softcap=3.0, dropout_p=0.2,
                                                            seed=11)),
+    ("window-gqa-d80", 1, 4, 2, 40, 52, 80, dict(causal=True, window=(7, 0))),
 ]
 
 
