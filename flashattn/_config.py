@@ -124,13 +124,24 @@ _SM90_DROPOUT = {
 }
 
 
-def sm90_entry(kernel: str, block_d: int, *, dropout: bool = False, window: bool = False):
-    """The Hopper table's entry for ``kernel`` at ``block_d``: dropout's tiles first, then a window's."""
+# Packed sequences at D = 128 take the window's 32 x 64 dK/dV tile with or without a mask: on
+# benchmarks.varlen's pack the backward ran 1.76-1.78x as fast as on the dense table's 64 x 128, with
+# bitwise the same gradients (docs/kernels/tuning-log.md#window-tiles-for-dkdv-at-d-128-issue-49).
+_SM90_PACKED = {
+    ("bwd_dkdv", 128): KernelConfig(32, 64, 4, 3),
+}
+
+
+def sm90_entry(kernel: str, block_d: int, *, dropout: bool = False, window: bool = False, packed: bool = False):
+    """The Hopper table's entry for ``kernel`` at ``block_d``: dropout's tiles first, then a window's,
+    then packed sequences'."""
     key = (kernel, block_d)
     if dropout and key in _SM90_DROPOUT:
         return _SM90_DROPOUT[key]
     if window and key in _SM90_WINDOW:
         return _SM90_WINDOW[key]
+    if packed and key in _SM90_PACKED:
+        return _SM90_PACKED[key]
     return _SM90[key]
 
 
@@ -321,7 +332,8 @@ def get_config(kernel: str, problem: Problem, device: torch.device) -> KernelCon
     block_d = max(p.block_d, p.block_dv)  # split head dims take the tiles of the wider one
     if major != 9:
         return resolve(_DEFAULT[(kernel, block_d)], p.causal, p.n)
-    cfg = resolve(sm90_entry(kernel, block_d, dropout=p.dropout_p > 0, window=p.window is not None), p.causal, p.n)
+    cfg = resolve(sm90_entry(kernel, block_d, dropout=p.dropout_p > 0, window=p.window is not None, packed=p.varlen),
+                  p.causal, p.n)
     small = _SM90_SMALL_GRID.get((kernel, block_d))
     if small is not None and not (p.dropout_p or p.window is not None or p.varlen):
         blocks, heads = _blocks_and_heads(kernel, p, cfg)  # the table tile's programs, as plan_for launches them
