@@ -105,9 +105,8 @@ _SM90 = {
 # and one warpgroup on 64 x 128 for dQ at D <= 64 (docs/kernels/tuning-log.md#eight-keys-per-draw).
 _SM90_WINDOW = {
     ("fwd", 128): KernelConfig(128, 128, 8, 3),
-    # 32 x 64 dK/dV tiles on one warpgroup under a window at D = 128: the packed backward of
-    # benchmarks.varlen's window run in 0.97 ms against the table tile's 1.77
-    # (docs/kernels/tuning-log.md#window-tiles-for-dkdv-at-d-128-issue-49)
+    # 32 x 64 dK/dV tiles on one warpgroup under a window at D = 128, the fastest of a sweep on
+    # packed and dense windows (docs/kernels/tuning-log.md#window-tiles-for-dkdv-at-d-128-issue-49)
     ("bwd_dkdv", 128): KernelConfig(32, 64, 4, 3),
 }
 _SM90_DROPOUT = {
@@ -124,9 +123,9 @@ _SM90_DROPOUT = {
 }
 
 
-# Packed sequences at D = 128 take the window's 32 x 64 dK/dV tile with or without a mask: on
-# benchmarks.varlen's pack the backward ran 1.76-1.78x as fast as on the dense table's 64 x 128, with
-# bitwise the same gradients (docs/kernels/tuning-log.md#window-tiles-for-dkdv-at-d-128-issue-49).
+# Packed sequences at D = 128 take the window's 32 x 64 dK/dV tile with or without a mask, the fastest
+# of a sweep on a pack of short and long sequences
+# (docs/kernels/tuning-log.md#packed-sequences-take-the-same-dkdv-tile-issue-49).
 _SM90_PACKED = {
     ("bwd_dkdv", 128): KernelConfig(32, 64, 4, 3),
 }

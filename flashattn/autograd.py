@@ -112,20 +112,18 @@ def _split_kv_forward(decode_kernels, q, k, v, problem: Problem):
 def _kernel_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
                      packing=None, sinks=None):
     if problem.empty:
-        grads, delta = _empty_backward(q, k, v), None
-    else:
-        _, backward, _, tensors = launchers()
-        with tensors.on_device(q):
-            if sinks is None:
-                return (*backward.launch_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed, packing),
-                        None)
-            *grads, delta = backward.launch_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed, packing,
-                                                     return_delta=True)
-    if sinks is None:
-        return (*grads, None)
-    if delta is None:  # no kernel ran: from the outputs
-        return (*grads, sinks_grad(do, o, lse, dlse, sinks, problem.varlen))
-    return (*grads, sinks_grad_from_delta(delta.squeeze(0) if problem.varlen else delta, lse, sinks, problem.varlen))
+        grads = _empty_backward(q, k, v)
+        return (*grads, None if sinks is None else sinks_grad(do, o, lse, dlse, sinks, problem.varlen))
+    _, backward, _, tensors = launchers()
+    with tensors.on_device(q):
+        if sinks is None:
+            return (*backward.launch_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed, packing), None)
+        # the dQ kernel sums the sinks' gradient from its row statistics (flashattn.backward.launch_backward)
+        *grads, d_sinks = backward.launch_backward(do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed, packing,
+                                                   sinks.detach().contiguous())
+    if d_sinks is None:  # no kernel ran (no query or no key in the pack): from the outputs
+        d_sinks = sinks_grad(do, o, lse, dlse, sinks, problem.varlen)
+    return (*grads, d_sinks)
 
 
 def _varlen_reference_forward(q, k, v, problem: Problem, packing, alibi_slopes=None, seed: int = 0):

@@ -357,11 +357,12 @@ def _bwd_dq_kernel(
     H_Q, GROUP, N_CTX_Q, N_CTX_K, qk_scale, scale, N_BLOCKS, HEADS_PER_GROUP,  #
     CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, N_SEQS,  #
     win_left, win_right, cap_in, cap_out, SLOPES, stride_slope_b, seed_lo, seed_hi, drop_threshold, inv_keep,  #
+    SINKS, SINK_PARTS,  # read and written only with HAS_SINKS
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     VARLEN: tl.constexpr, ROW_STATS: tl.constexpr, HAS_DLSE: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # query block, batch * query head; causal: the longest key walks first, as in the forward
     i_m, i_bh = program_tile(N_BLOCKS, HEADS_PER_GROUP, CAUSAL)
@@ -405,6 +406,16 @@ def _bwd_dq_kernel(
         tl.store(DELTA + row0 + offs_m, b_delta, mask=mask_m)
     else:
         b_lse2, b_delta = _load_row_stats(LSE2 + row0 + offs_m, DELTA + row0 + offs_m, mask_m, True)
+    # --8<-- [start:bwd-sinks]
+    if HAS_SINKS:
+        # The sink's gradient, dL/ds_h = -sum_i exp(s_h - lse_i) * delta_i (docs/math/sinks.md), needs
+        # only these row statistics: this block's share goes to its own slot, and one reduction over
+        # the slots finishes it (launch_backward), in a fixed order. Rows past the sequence add 0; a
+        # row with no key and a sink of -inf has lse2 = 0 here and adds exp2(-inf) * delta = 0.
+        sink2 = tl.load(SINKS + i_hq).to(tl.float32) * LOG2E
+        p_sink = tl.where(mask_m, tl.exp2(sink2 - b_lse2), 0.0)
+        tl.store(SINK_PARTS + i_bh.to(tl.int64) * N_BLOCKS + i_m, -tl.sum(p_sink * b_delta, 0))
+    # --8<-- [end:bwd-sinks]
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     slope2 = 0.0
     if ALIBI:
@@ -473,7 +484,7 @@ def _second_stream(q: torch.Tensor, problem: Problem) -> torch.cuda.Stream | Non
 
 # --8<-- [start:bwd-launch]
 def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
-                    packing=None, return_delta: bool = False):
+                    packing=None, sinks=None):
     """Run the backward kernels on ``q``'s device (the preprocess, dK/dV and dQ; dQ with the preprocess's
     row statistics and first, where it runs on the current stream). Returns ``(dq, dk, dv)`` shaped like q, k, v.
 
@@ -481,13 +492,13 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
     reached the LSE output. dK and dV of a K/V head sum over its query heads. ``alibi_slopes`` and
     ``seed`` are the forward's (the dropout mask is drawn again from the seed, never stored). Packed
     sequences (``problem.varlen``) take the packed layouts and ``packing`` of
-    :func:`flashattn.forward.launch_forward`, with lse and dlse (Hq, total_q). With ``return_delta`` the
-    preprocess's row statistic comes back too, ``(dq, dk, dv, delta)``: delta = rowsum(dO * O) - dLSE,
-    float32 (B, Hq, N) or (1, Hq, total_q), or None where no kernel ran (what the sinks' gradient reads).
+    :func:`flashattn.forward.launch_forward`, with lse and dlse (Hq, total_q). With ``sinks`` (Hq,) (the
+    forward's, ``problem.sinks``) the sinks' gradient comes back too, ``(dq, dk, dv, dsinks)``, summed by
+    the dQ kernel from its row statistics; dsinks is None where no kernel ran (a pack with no query or key).
     """
     if interpreter_needs_float32(q):
         grads = launch_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse, problem, dlse,
-                                alibi_slopes, seed, packing, return_delta)
+                                alibi_slopes, seed, packing, sinks)
         return (*(g.to(q.dtype) for g in grads[:3]), *grads[3:])
     p = problem
     # A repeated call replays the first one's launches with its own tensors (as in the forward),
@@ -497,10 +508,10 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
         p, q.device, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(), lse.stride(),
         dlse is not None and dlse.stride(), alibi_slopes is not None and alibi_slopes.dim(),
         (k is q, v is q, v is k), side is not None)
-    inputs, free = (do, q, k, v, o, lse, dlse, alibi_slopes), seed_halves(p, seed)
+    inputs, free = (do, q, k, v, o, lse, dlse, alibi_slopes, sinks), seed_halves(p, seed)
     replayed = replay(key, inputs, free)
     if replayed is not None:
-        return replayed[:4] if return_delta else replayed[:3]
+        return replayed[:3] if sinks is None else (*replayed[:3], _sinks_grad(replayed[5], p, sinks))
     # dK/dV and dQ by the Hopper kernels in Gluon (large plain problems on sm_90, _config.gluon_kernel)
     gluon_dkdv = not p.varlen and _config.gluon_kernel("bwd_dkdv", p, q.device) and hopper.bwd.available()
     gluon_dq = not p.varlen and _config.gluon_kernel("bwd_dq", p, q.device) and hopper.bwd.dq_available()
@@ -508,7 +519,7 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
     if p.varlen:
         dq, dk, dv = dense_like(q), dense_like(k), dense_like(v)
         if p.total_q == 0 or p.total_k == 0:  # no query sees a key: every gradient is zero
-            return (dq.zero_(), dk.zero_(), dv.zero_(), *((None,) if return_delta else ()))
+            return (dq.zero_(), dk.zero_(), dv.zero_(), *(() if sinks is None else (None,)))
         # (total, H, D) viewed as (1, H, total, D); the row-wise preprocess sees one sequence of total_q rows
         do, q, k, v, o, dq_view, dk_view, dv_view = (heads_first(x) for x in (do, q, k, v, o, dq, dk, dv))
         cu_q, cu_k = packing
@@ -541,6 +552,7 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
                dict(HAS_DLSE=has_dlse, HEAD_DIM=p.dv, BLOCK_D=p.block_dv, BLOCK_M=block), {}, record)
 
     desc = Descriptors(p.block_d)  # shared by the two kernels where their tiles agree
+    sink_parts = [delta]  # the dQ launch's per-block shares of the sinks' gradient (HAS_SINKS), once it ran
 
     def run_dkdv(plan: _config.Plan | None, record=None):
         if plan is None:  # the Hopper kernel in Gluon, whose tiles are its own
@@ -563,12 +575,16 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
             return
         cfg = plan.config
         offsets = tile_offsets(cu_q, cfg.block_m) if p.varlen else delta
+        if sinks is not None:  # one slot per program; a packed call's spare programs leave theirs at 0
+            sink_parts[0] = torch.zeros(batch * p.heads_q * plan.n_blocks, dtype=torch.float32, device=q.device)
         args = (desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n, p.block_dv), desc(do, cfg.block_m, p.block_dv),
                 lse2, delta, dq_view, dq_view.stride(0), dq_view.stride(1), dq_view.stride(2),
                 o, lse, dlse, o.stride(0), o.stride(1), o.stride(2),
                 p.heads_q, p.group, n_q, n_k, p.qk_scale, p.scale, plan.n_blocks, plan.heads_per_group,
-                cu_q, cu_k, offsets, p.batch, *variant_abi(p, alibi_slopes, seed, delta)[1])
-        constexprs = {**plan.constexprs, "ROW_STATS": row_stats, "HAS_DLSE": row_stats and has_dlse}
+                cu_q, cu_k, offsets, p.batch, *variant_abi(p, alibi_slopes, seed, delta)[1],
+                delta if sinks is None else sinks, sink_parts[0])
+        constexprs = {**plan.constexprs, "ROW_STATS": row_stats, "HAS_DLSE": row_stats and has_dlse,
+                      "HAS_SINKS": sinks is not None}
         launch(_bwd_dq_kernel, plan.grid, args, constexprs, plan.options, record)
 
     device = q.device
@@ -596,7 +612,13 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
         # dQ first: with row_stats it writes the delta and lse2 that dK/dV reads
         run_dq(plan_dq, record)
         run_dkdv(plan_dkdv, record)
-    if record is not None:
-        record.keep(inputs, (dq, dk, dv, delta, lse2), free, shared=(1, 2, 3))  # q, k, v, as in the key
-    return (dq, dk, dv, delta) if return_delta else (dq, dk, dv)
+    if record is not None:  # q, k, v may be one tensor, as in the key
+        record.keep(inputs, (dq, dk, dv, delta, lse2, *(() if sinks is None else sink_parts)), free, shared=(1, 2, 3))
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, _sinks_grad(sink_parts[0], p, sinks))
 # --8<-- [end:bwd-launch]
+
+
+def _sinks_grad(parts: torch.Tensor, problem: Problem, sinks: torch.Tensor) -> torch.Tensor:
+    """The sinks' gradient (Hq,) from the dQ kernel's per-program shares, laid out (B, Hq, blocks)
+    (one batch entry for packed sequences)."""
+    return parts.view(1 if problem.varlen else problem.batch, problem.heads_q, -1).sum((0, 2)).to(sinks.dtype)

@@ -200,23 +200,35 @@ def test_gpu_packed_and_cache_with_sinks_match_float64():
 
 @cpu_only
 def test_interpreter_kernels_join_the_sinks_themselves(monkeypatch):
-    """On the kernels' path the forward joins the sinks in its epilogue and the sinks' gradient comes
-    from the backward's delta: neither pass over O in PyTorch (with_sinks, sinks_grad) runs, and the
-    results still match the float64 definition."""
+    """On the kernels' path the forward joins the sinks in its epilogue and the dQ kernel sums the
+    sinks' gradient from its row statistics: no PyTorch pass over O or over the rows (with_sinks,
+    sinks_grad, sinks_grad_from_delta) runs, and the results still match the float64 definition,
+    dense and packed, with sinks of any strides."""
     from flashattn import autograd
 
     def refuse(*args, **kwargs):
-        raise AssertionError("a PyTorch pass over O ran on the kernels' path")
+        raise AssertionError("a PyTorch pass over O or the rows ran on the kernels' path")
 
     monkeypatch.setattr(autograd, "with_sinks", refuse)
     monkeypatch.setattr(autograd, "sinks_grad", refuse)
+    monkeypatch.setattr(autograd, "sinks_grad_from_delta", refuse)
     _dense_case(torch.float16, 2, 4, 2, 33, 40, 24, dict(causal=True))
     lens = [9, 0, 17]
     q, k, v = _randn(26, 4, 16), _randn(26, 2, 16, seed=1), _randn(26, 2, 16, seed=2)
-    sinks = _randn(4, dtype=torch.float32, seed=3).requires_grad_()
-    o = flashattn.attention_varlen(q, k, v, _cu(lens), _cu(lens), 17, 17, causal=True, sinks=sinks)
-    (g,) = torch.autograd.grad(o.float().sum(), sinks)
-    assert torch.isfinite(g).all() and g.abs().max() > 0
+    do = _randn(26, 4, 16, seed=4)
+    base = _randn(8, dtype=torch.float32, seed=3, std=2.0)
+    grads = []
+    for sinks in (base[::2].detach().requires_grad_(), base[::2].clone().requires_grad_()):  # strided, then not
+        o = flashattn.attention_varlen(q, k, v, _cu(lens), _cu(lens), 17, 17, causal=True, sinks=sinks)
+        grads.append(torch.autograd.grad(o, sinks, do)[0])
+    assert torch.equal(grads[0], grads[1])
+    ref_leaves = [x.double().requires_grad_() for x in (q, k, v, base[::2])]
+    o_r = reference.varlen_attention(*ref_leaves[:3], _cu(lens), _cu(lens), True, sinks=ref_leaves[3])[0]
+    (ref,) = torch.autograd.grad(o_r, ref_leaves[3], do.double())
+    low_leaves = [x.detach().requires_grad_() for x in (q, k, v)] + [base[::2].detach().requires_grad_()]
+    o_l = reference.varlen_attention(*low_leaves[:3], _cu(lens), _cu(lens), True, sinks=low_leaves[3])[0]
+    (low,) = torch.autograd.grad(o_l, low_leaves[3], do)
+    assert_close_ratio("dsinks", grads[0], ref, low, floor=1e-4)
 
 
 @gpu
