@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from flashattn.api import _check_inputs, attention, check_flag
+from flashattn.api import _check_inputs, attention, check_flag, check_variants
 from flashattn.autograd import backend, not_twice, use_kernels
 from flashattn.problem import Problem
 
@@ -43,16 +43,16 @@ LAYOUTS = ("contiguous", "zigzag")
 # --------------------------------------------------------------------------------------------------
 # the local attention (the only two functions that know how the package computes attention)
 # --------------------------------------------------------------------------------------------------
-def _local_forward(q, k, v, causal: bool, scale: float):
+def _local_forward(q, k, v, causal: bool, scale: float, window=None):
     """Single-device attention of one query shard against one key/value shard: ``(o, lse)``."""
     forward, _ = backend(use_kernels(q))
-    return forward(q, k, v, Problem.of(q, k, causal, scale))
+    return forward(q, k, v, Problem.of(q, k, causal, scale, window=window))
 
 
-def _local_backward(do, q, k, v, o, lse, causal: bool, scale: float):
+def _local_backward(do, q, k, v, o, lse, causal: bool, scale: float, window=None):
     """Single-device backward of one shard pair, given the *global* o and lse: ``(dq, dk, dv)``."""
     _, backward = backend(use_kernels(q))
-    return backward(do, q, k, v, o, lse, Problem.of(q, k, causal, scale))[:3]
+    return backward(do, q, k, v, o, lse, Problem.of(q, k, causal, scale, window=window))[:3]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -124,12 +124,14 @@ def gather_sequence(x: torch.Tensor, *, group=None, layout: str = "zigzag", dim:
 # the schedule: what one ring step computes
 # --------------------------------------------------------------------------------------------------
 class RingStep(NamedTuple):
-    """One ring step: query rows ``rows`` of the local shard attend to key rows ``cols`` of the shard
-    in hand, with (``causal=True``) or without the diagonal mask."""
+    """One ring step (or one piece of it): query rows ``rows`` of the local shard attend to key rows
+    ``cols`` of the shard in hand, with (``causal=True``) or without the diagonal mask, and through the
+    local sliding window ``window`` = (left, right) of :func:`flashattn.attention` when not None."""
 
     rows: slice
     cols: slice
     causal: bool
+    window: tuple | None = None
 
 
 # --8<-- [start:ring-step]
@@ -149,6 +151,56 @@ def ring_step(rank: int, source: int, n: int, causal: bool, layout: str) -> Ring
     # s > r: both key chunks precede chunk 2R-1-r and follow chunk r
     return RingStep(slice(half, n), everything, False)
 # --8<-- [end:ring-step]
+
+
+# --8<-- [start:ring-window]
+def _band(delta: int, c: int, left, right):
+    """Query chunk against key chunk (both ``c`` long), the query chunk starting ``delta`` positions
+    after the key chunk, under the global window: query i sees key j when i - left <= j <= i + right
+    (None: unbounded). Returns None when no pair is visible, else ``(row0, col0, length, window)``: the
+    visible pairs lie in rows row0 .. row0 + length and keys col0 .. col0 + length of the chunks, where
+    local row i' sees local key j' when i' - wl <= j' <= i' + wr for ``window = (wl, wr)`` (a side None
+    when it hides nothing there; None for both)."""
+    # local row i sees local key j when i + delta - left <= j <= i + delta + right
+    if (left is not None and delta - left > c - 1) or (right is not None and c - 1 + delta + right < 0):
+        return None
+    skip = max(0, delta - left) if left is not None else 0  # leading keys no row sees: those rows' tails
+    late = max(0, -(delta + right)) if right is not None else 0  # leading rows that see no key
+    row0, col0 = late, skip  # at most one of them is nonzero (skip > 0 needs delta > 0, late > 0 delta < 0)
+    length = c - skip - late
+    wl = None if left is None else left - delta - row0 + col0
+    wr = None if right is None else row0 - col0 + delta + right
+    wl = None if wl is not None and wl >= length - 1 else wl
+    wr = None if wr is not None and wr >= length - 1 else wr
+    return row0, col0, length, None if wl is None and wr is None else (wl, wr)
+
+
+def ring_pieces(rank: int, source: int, world: int, n: int, causal: bool, layout: str, window=None) -> list[RingStep]:
+    """What rank ``rank`` of ``world`` computes with the key/value shard of rank ``source`` (local length
+    ``n``) as a list of pieces, empty when every pair of the two shards is masked. Without a window it is
+    :func:`ring_step`'s one step; with a global window ``(left, right)`` (query i sees key j when
+    i - left <= j <= i + right, causal folding right to 0) each pair of a query chunk and a key chunk
+    becomes at most one piece, cut to its visible rows and keys, with the window that remains inside it."""
+    if window is None:
+        step = ring_step(rank, source, n, causal, layout)
+        return [] if step is None else [step]
+    left, right = window
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    ids_q, ids_k = chunk_ids(rank, world, layout), chunk_ids(source, world, layout)
+    c = n // len(ids_q)
+    pieces = []
+    for iq, cq in enumerate(ids_q):
+        for ik, ck in enumerate(ids_k):
+            band = _band((cq - ck) * c, c, left, right)
+            if band is None:
+                continue
+            row0, col0, length, local = band
+            rows = slice(iq * c + row0, iq * c + row0 + length)
+            cols = slice(ik * c + col0, ik * c + col0 + length)
+            pieces.append(RingStep(rows, cols, False, local))
+    return pieces
+# --8<-- [end:ring-window]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,7 +255,7 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 # --8<-- [start:ring-forward]
-def _ring_forward(q, k, v, causal: bool, scale: float, layout: str, group):
+def _ring_forward(q, k, v, causal: bool, scale: float, layout: str, group, window=None):
     rank, world, next_rank, prev_rank = _ring_peers(group)
     n = q.shape[2]
     kv = torch.stack((k, v))  # (2, B, Hkv, n, D): one message per step
@@ -215,10 +267,10 @@ def _ring_forward(q, k, v, causal: bool, scale: float, layout: str, group):
         if step + 1 < world:  # the next shard travels while this one is used
             kv_next = torch.empty_like(kv)
             works = _pass_on(kv, kv_next, next_rank, prev_rank, group)
-        plan = ring_step(rank, source, n, causal, layout)
-        if plan is not None:
+        for plan in ring_pieces(rank, source, world, n, causal, layout, window):
             rows, cols = plan.rows, plan.cols
-            o_part, lse_part = _local_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], plan.causal, scale)
+            o_part, lse_part = _local_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], plan.causal, scale,
+                                              plan.window)
             o[:, :, rows], lse[:, :, rows] = merge_pair(o[:, :, rows], lse[:, :, rows], o_part, lse_part)
         _wait(works)
         kv = kv_next
@@ -227,7 +279,7 @@ def _ring_forward(q, k, v, causal: bool, scale: float, layout: str, group):
 
 
 # --8<-- [start:ring-backward]
-def _ring_backward(do, q, k, v, o, lse, causal: bool, scale: float, layout: str, group):
+def _ring_backward(do, q, k, v, o, lse, causal: bool, scale: float, layout: str, group, window=None):
     rank, world, next_rank, prev_rank = _ring_peers(group)
     n = q.shape[2]
     kv = torch.stack((k, v))
@@ -240,14 +292,13 @@ def _ring_backward(do, q, k, v, o, lse, causal: bool, scale: float, layout: str,
             kv_next = torch.empty_like(kv)
             kv_works = _pass_on(kv, kv_next, next_rank, prev_rank, group)
         dkv = torch.zeros(kv.shape, dtype=_acc_dtype(q), device=q.device)
-        plan = ring_step(rank, source, n, causal, layout)
-        if plan is not None:
+        for plan in ring_pieces(rank, source, world, n, causal, layout, window):
             rows, cols = plan.rows, plan.cols
             # The global o and lse: delta = rowsum(dO * O) and P = exp(S - LSE) are those of the full row,
             # so the partial gradients of all shards add up to the full gradient.
             dq_part, dk_part, dv_part = _local_backward(
                 do[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                o[:, :, rows], lse[:, :, rows], plan.causal, scale)
+                o[:, :, rows], lse[:, :, rows], plan.causal, scale, plan.window)
             dq[:, :, rows] += dq_part
             dkv[0][:, :, cols] += dk_part
             dkv[1][:, :, cols] += dv_part
@@ -266,13 +317,13 @@ def _ring_backward(do, q, k, v, o, lse, causal: bool, scale: float, layout: str,
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """``apply(q, k, v, causal, scale, layout, group) -> (o, lse)``, both this rank's shard."""
+    """``apply(q, k, v, causal, scale, layout, group, window=None) -> (o, lse)``, both this rank's shard."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, layout: str, group):
-        o, lse = _ring_forward(q, k, v, causal, scale, layout, group)
+    def forward(ctx, q, k, v, causal: bool, scale: float, layout: str, group, window=None):
+        o, lse = _ring_forward(q, k, v, causal, scale, layout, group, window)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.layout, ctx.group = causal, scale, layout, group
+        ctx.causal, ctx.scale, ctx.layout, ctx.group, ctx.window = causal, scale, layout, group, window
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -280,8 +331,9 @@ class RingAttentionFunction(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
         with torch.no_grad():  # under create_graph=True too: the exchanges have no graph to build
-            grads = _ring_backward(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale, ctx.layout, ctx.group)
-        return *not_twice(grads, do, q, k, v), None, None, None, None
+            grads = _ring_backward(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale, ctx.layout, ctx.group,
+                                   ctx.window)
+        return *not_twice(grads, do, q, k, v), None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,7 +359,8 @@ def _check_ring_inputs(q, k, v, causal, scale, layout, group, what: str = "ring_
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None = None,
                    causal: bool = False, scale: float | None = None, layout: str = "contiguous",
-                   return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                   return_lse: bool = False, window: tuple[int | None, int | None] | None = None
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of ``group``; returns this rank's output shard.
 
     Args:
@@ -322,6 +375,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             chunks) or ``"zigzag"`` (rank r holds chunks r and 2R - 1 - r of 2R; balances causal work).
             :func:`shard_sequence` and :func:`unshard_sequence` cut and reassemble a full sequence.
         return_lse: also return this shard's global log-sum-exp (B, Hq, N/R), no gradient.
+        window: ``(left, right)`` sliding window over the *full* sequence: query i sees key j when
+            ``i - left <= j <= i + right`` (``None`` on a side: unbounded; with ``causal=True`` the right
+            side is at most 0), as :func:`flashattn.attention` takes it for N = M. Each step computes
+            only the pieces of the shard pair that the window reaches (:func:`ring_pieces`); a pair it
+            misses is skipped, though its shard still travels the ring.
 
     Every rank must call it with tensors of the same shape, dtype and layout; that is the caller's
     promise (checking it would cost a collective per call). Shards must have equal length, so N must be
@@ -336,8 +394,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     """
     _check_ring_inputs(q, k, v, causal, scale, layout, group)
     check_flag("return_lse", return_lse)
+    window, _ = check_variants(q, q.shape[0], q.shape[1], window, None, None, 0.0)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    o, lse = RingAttentionFunction.apply(q, k, v, causal, scale, layout, group)
+    o, lse = RingAttentionFunction.apply(q, k, v, causal, scale, layout, group, window)
     return (o, lse) if return_lse else o
 
 
@@ -382,7 +441,8 @@ def _heads_to_sequence(x: torch.Tensor, world: int, layout: str, group) -> torch
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None = None,
                       causal: bool = False, scale: float | None = None, layout: str = "contiguous",
-                      return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                      return_lse: bool = False, window: tuple[int | None, int | None] | None = None
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of ``group`` by an all-to-all of heads
     (Ulysses); returns this rank's output shard, like :func:`ring_attention`.
 
@@ -397,6 +457,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         scale: softmax scale; ``1 / sqrt(D)`` when None.
         layout: how the caller cut the sequence, ``"contiguous"`` or ``"zigzag"`` (:func:`shard_sequence`).
         return_lse: also return this shard's log-sum-exp (B, Hq, N/R), float32.
+        window: a sliding window over the full sequence, as :func:`ring_attention` takes it; each rank
+            holds the whole sequence of its heads, so it goes to :func:`flashattn.attention` as it is.
 
     Each rank runs :func:`flashattn.attention` on the whole sequence of its heads (the kernels on CUDA
     tensors with NCCL; on CPU tensors with gloo, the reference or, under ``TRITON_INTERPRET=1``, the
@@ -406,8 +468,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     """
     _check_ring_inputs(q, k, v, causal, scale, layout, group, what="ulysses_attention")
     check_flag("return_lse", return_lse)
+    window, _ = check_variants(q, q.shape[0], q.shape[1], window, None, None, 0.0)
     return _over_heads(q, k, v, group, layout, return_lse,
-                       lambda *qkv: attention(*qkv, causal=causal, scale=scale, return_lse=True))
+                       lambda *qkv: attention(*qkv, causal=causal, scale=scale, return_lse=True, window=window))
 
 
 def _over_heads(q, k, v, group, layout: str, return_lse: bool, attend):
@@ -438,7 +501,8 @@ def shard_sequence_2d(x: torch.Tensor, ring_rank: int, ring_size: int, ulysses_r
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_group: dist.ProcessGroup,
                      ring_group: dist.ProcessGroup, causal: bool = False, scale: float | None = None,
-                     layout: str = "zigzag", return_lse: bool = False
+                     layout: str = "zigzag", return_lse: bool = False,
+                     window: tuple[int | None, int | None] | None = None
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across a grid of ranks: Ulysses inside ``ulysses_group``
     (its U ranks exchange heads), the ring across ``ring_group`` (its G ranks, one from each Ulysses
@@ -449,16 +513,17 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulyss
     group the whole ring shard of H / U heads; :func:`ring_attention` runs across the ring group on
     those; the reverse all-to-all hands the output back. Hq must be divisible by U (K/V heads are
     repeated as in :func:`ulysses_attention`). Every rank must belong to one Ulysses group and one ring
-    group, with the ring group's ranks ordered by ring position.
+    group, with the ring group's ranks ordered by ring position. ``window`` is the full sequence's, as
+    :func:`ring_attention` takes it.
     """
     _check_ring_inputs(q, k, v, causal, scale, layout, ulysses_group, what="hybrid_attention")
     check_flag("return_lse", return_lse)
     # inside a group the pieces are contiguous: the gathered sequence is the ring position's shard
     return _over_heads(q, k, v, ulysses_group, "contiguous", return_lse,
                        lambda *qkv: ring_attention(*qkv, group=ring_group, causal=causal, scale=scale,
-                                                   layout=layout, return_lse=True))
+                                                   layout=layout, return_lse=True, window=window))
 
 
 __all__ = ["LAYOUTS", "RingStep", "chunk_ids", "gather_sequence", "hybrid_attention", "kv_head_repeats", "merge_pair",
-           "ring_attention", "ring_step", "shard_sequence", "shard_sequence_2d", "ulysses_attention",
+           "ring_attention", "ring_pieces", "ring_step", "shard_sequence", "shard_sequence_2d", "ulysses_attention",
            "unshard_sequence"]

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flashattn.distributed as fd
+from flashattn import schedule
 from flashattn.reference import causal_mask, naive_attention
 from flashattn.testing import random_qkv, rel_err
 
@@ -45,6 +46,11 @@ CASES = {
     "large-logits": dict(h_q=2, h_kv=2, d=16, chunk=4, causal=True, layout="zigzag", std=6.0, scale=0.9),
     # Shards longer than the reference's 64-row tiles, handed over as (B, N, H, D) storage viewed (B, H, N, D).
     "strided-long": dict(h_q=2, h_kv=1, d=16, chunk=40, causal=True, layout="zigzag", strided=True),
+    # Sliding windows over the full sequence: wider than a chunk, so they reach across shards, and
+    # narrower than the sequence, so some shard pairs are skipped
+    "window-causal-zigzag": dict(h_q=2, h_kv=1, d=16, chunk=4, causal=True, layout="zigzag", window=(5, None)),
+    "window-both-sides-contiguous": dict(h_q=2, h_kv=2, d=24, chunk=4, causal=False, layout="contiguous",
+                                         window=(6, 3)),
 }
 # Ulysses splits the heads over the ranks: every case has a multiple of 4 query heads.
 ULYSSES_CASES = {
@@ -55,12 +61,15 @@ ULYSSES_CASES = {
     "ulysses-mqa-d40": dict(h_q=4, h_kv=1, d=40, chunk=5, causal=False, layout="zigzag"),
     "ulysses-large-logits": dict(h_q=4, h_kv=2, d=16, chunk=4, causal=True, layout="zigzag", std=6.0, scale=0.9),
     "ulysses-strided-long": dict(h_q=4, h_kv=4, d=16, chunk=40, causal=True, layout="contiguous", strided=True),
+    "ulysses-window-causal-zigzag": dict(h_q=4, h_kv=2, d=16, chunk=4, causal=True, layout="zigzag", window=(5, 0)),
 }
 # Hybrid: Ulysses over groups of `width` ranks, the ring across the groups (width 1: the ring alone).
 HYBRID_CASES = {
     "hybrid-width2-causal-zigzag": dict(h_q=4, h_kv=2, d=16, chunk=4, causal=True, layout="zigzag", width=2),
     "hybrid-width2-plain": dict(h_q=4, h_kv=4, d=24, chunk=3, causal=False, layout="contiguous", width=2),
     "hybrid-width1-causal-zigzag": dict(h_q=2, h_kv=1, d=16, chunk=4, causal=True, layout="zigzag", width=1),
+    "hybrid-width2-window-causal-zigzag": dict(h_q=4, h_kv=2, d=16, chunk=4, causal=True, layout="zigzag", width=2,
+                                               window=(9, None)),
 }
 CHECKS = [*CASES, *ULYSSES_CASES, *HYBRID_CASES, "no-grad", "gather", "odd-zigzag-shard", "shard-length-mismatch",
           "subgroup-of-3", "twice", "ulysses-heads-indivisible"]
@@ -85,7 +94,7 @@ def _run_attention(case: dict, rank: int, world: int, group=None) -> dict:
     q, k, v, do = _problem(case, world, "cpu", torch.float64, seed=1234)
     scale = case.get("scale")
     full = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    o_ref, lse_ref = naive_attention(*full, case["causal"], scale)
+    o_ref, lse_ref = naive_attention(*full, case["causal"], scale, window=case.get("window"))
     o_ref.backward(do)
     # --8<-- [start:usage]
     shard = lambda x, dim=-2: fd.shard_sequence(x, rank, world, layout=case["layout"], dim=dim)  # noqa: E731
@@ -94,7 +103,7 @@ def _run_attention(case: dict, rank: int, world: int, group=None) -> dict:
         local = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in local]
     local = [x.detach().requires_grad_() for x in local]
     o, lse = fd.ring_attention(*local, group=group, causal=case["causal"], scale=scale, layout=case["layout"],
-                               return_lse=True)
+                               return_lse=True, window=case.get("window"))
     o.backward(shard(do))
     # --8<-- [end:usage]
     errors = {"o": (o, shard(o_ref)), "lse": (lse, shard(lse_ref, dim=-1))}
@@ -108,7 +117,7 @@ def _against_full(case: dict, world: int, seed: int, shard, attend) -> dict:
     :func:`_run_attention`, the ring's documented example, for the other context-parallel paths)."""
     q, k, v, do = _problem(case, world, "cpu", torch.float64, seed=seed)
     full = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    o_ref, lse_ref = naive_attention(*full, case["causal"], case.get("scale"))
+    o_ref, lse_ref = naive_attention(*full, case["causal"], case.get("scale"), window=case.get("window"))
     o_ref.backward(do)
     local = [shard(x) for x in (q, k, v)]
     if case.get("strided"):  # (B, N, H, D) storage viewed as (B, H, N, D)
@@ -125,7 +134,8 @@ def _run_ulysses(case: dict, rank: int, world: int) -> dict:
     """ulysses_attention on this rank's shards vs float64 naive attention on the full sequence."""
     shard = lambda x, dim=-2: fd.shard_sequence(x, rank, world, layout=case["layout"], dim=dim)  # noqa: E731
     return _against_full(case, world, 4321, shard, lambda q, k, v: fd.ulysses_attention(
-        q, k, v, causal=case["causal"], scale=case.get("scale"), layout=case["layout"], return_lse=True))
+        q, k, v, causal=case["causal"], scale=case.get("scale"), layout=case["layout"], return_lse=True,
+        window=case.get("window")))
 
 
 def _run_hybrid(case: dict, rank: int, world: int) -> dict:
@@ -141,7 +151,7 @@ def _run_hybrid(case: dict, rank: int, world: int) -> dict:
                                                    layout=case["layout"], dim=dim)
     return _against_full(case, world, 2468, shard, lambda q, k, v: fd.hybrid_attention(
         q, k, v, ulysses_group=ulysses_groups[position], ring_group=ring_groups[piece], causal=case["causal"],
-        layout=case["layout"], return_lse=True))
+        layout=case["layout"], return_lse=True, window=case.get("window")))
 
 
 def _max_err(got, want) -> float:
@@ -459,6 +469,45 @@ def test_schedule_covers_each_visible_pair_once(world_size, causal, layout):
     assert torch.equal(mask, want)
 
 
+def _pieces_mask(world_size: int, chunk: int, causal: bool, layout: str, window) -> torch.Tensor:
+    """The full (N, N) count of the query/key pairs the pieces of :func:`ring_pieces` compute, each
+    piece through its own causal flag and local window (the kernels' bottom-right convention)."""
+    n_local = chunk * len(fd.chunk_ids(0, world_size, layout))
+    positions = [fd.shard_sequence(torch.arange(n_local * world_size)[:, None], r, world_size, layout=layout)[:, 0]
+                 for r in range(world_size)]
+    mask = torch.zeros(n_local * world_size, n_local * world_size, dtype=torch.long)
+    for rank in range(world_size):
+        for source in range(world_size):
+            for piece in fd.ring_pieces(rank, source, world_size, n_local, causal, layout, window):
+                rows, cols = positions[rank][piece.rows], positions[source][piece.cols]
+                mask[rows[:, None], cols[None, :]] += _visible(len(rows), len(cols), piece.causal, piece.window).long()
+    return mask
+
+
+def _visible(n: int, m: int, causal: bool, window) -> torch.Tensor:
+    """(n, m) boolean: which keys each query sees, by the schedule's functions (as the reference masks)."""
+    rows, cols = torch.arange(n)[:, None], torch.arange(m)[None, :]
+    visible = schedule.visible(rows, cols, n, m, causal)
+    if window is not None:
+        visible = visible & schedule.in_window(rows, cols, n, m, *schedule.window_bounds(n, m, causal, tuple(window)))
+    return visible
+
+
+@pytest.mark.parametrize("layout", fd.LAYOUTS)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal,window", [(True, (0, None)), (True, (2, None)), (True, (5, 0)), (True, (11, None)),
+                                           (True, (100, None)), (False, (3, 3)), (False, (0, 7)), (False, (None, 2)),
+                                           (False, (6, None)), (False, (1, 0))])
+def test_window_pieces_cover_each_pair_in_the_window_once(world_size, causal, window, layout):
+    """Brute force: under a global window the pieces of all ranks' steps compute every pair inside it
+    exactly once and none outside it, with windows narrower than a chunk, reaching over several
+    shards, and wider than the sequence."""
+    for chunk in (1, 3, 4):
+        mask = _pieces_mask(world_size, chunk, causal, layout, window)
+        n = mask.shape[0]
+        assert torch.equal(mask, _visible(n, n, causal, window).long())
+
+
 def test_zigzag_balances_causal_work():
     """Pairs computed per rank: equal across ranks with zig-zag, skewed P-fold-ish with contiguous shards."""
     world_size, chunk = 4, 8
@@ -565,6 +614,7 @@ GPU_CASES = {
     "causal-zigzag": dict(h_q=4, h_kv=4, d=128, chunk=256, causal=True, layout="zigzag"),
     "plain-contiguous": dict(h_q=4, h_kv=4, d=64, chunk=200, causal=False, layout="contiguous"),
     "gqa-d96-causal-zigzag": dict(h_q=8, h_kv=2, d=96, chunk=192, causal=True, layout="zigzag"),
+    "window-causal-zigzag": dict(h_q=4, h_kv=2, d=128, chunk=256, causal=True, layout="zigzag", window=(300, None)),
 }
 GPU_DTYPES = ["float16", "bfloat16"]
 GPU_HYBRID_WIDTH = 2  # Ulysses groups of 2: on two GPUs one group (a ring of one), on four a 2 x 2 grid
@@ -612,7 +662,7 @@ def _gpu_check(case: dict, dtype, rank: int, world: int, grid) -> dict:
 
     device = torch.device("cuda", rank)
     q, k, v, do = _problem(case, world, device, torch.float64, seed=99)
-    causal, layout = case["causal"], case["layout"]
+    causal, layout, window = case["causal"], case["layout"], case.get("window")
 
     def grads(fn, inputs, grad_out):
         inputs = [x.detach().clone().requires_grad_() for x in inputs]
@@ -620,19 +670,20 @@ def _gpu_check(case: dict, dtype, rank: int, world: int, grid) -> dict:
         o.backward(grad_out)
         return [o.detach()] + [x.grad for x in inputs]
 
-    ref = grads(lambda *x: naive_attention(*x, causal)[0], (q, k, v), do)
-    single = grads(lambda *x: flashattn.attention(*x, causal=causal), [x.to(dtype) for x in (q, k, v)], do.to(dtype))
+    ref = grads(lambda *x: naive_attention(*x, causal, window=window)[0], (q, k, v), do)
+    single = grads(lambda *x: flashattn.attention(*x, causal=causal, window=window), [x.to(dtype) for x in (q, k, v)],
+                   do.to(dtype))
     shard = lambda x: fd.shard_sequence(x, rank, world, layout=layout)  # noqa: E731
-    paths = {"ring": (shard, lambda *x: fd.ring_attention(*x, causal=causal, layout=layout))}
+    paths = {"ring": (shard, lambda *x: fd.ring_attention(*x, causal=causal, layout=layout, window=window))}
     if case["h_q"] % world == 0:
-        paths["ulysses"] = (shard, lambda *x: fd.ulysses_attention(*x, causal=causal, layout=layout))
+        paths["ulysses"] = (shard, lambda *x: fd.ulysses_attention(*x, causal=causal, layout=layout, window=window))
     if grid is not None and case["h_q"] % GPU_HYBRID_WIDTH == 0:
         ulysses_group, ring_group, position, piece = grid
         ring_size = world // GPU_HYBRID_WIDTH
         paths["hybrid"] = (
             lambda x: fd.shard_sequence_2d(x, position, ring_size, piece, GPU_HYBRID_WIDTH, layout=layout),
             lambda *x: fd.hybrid_attention(*x, ulysses_group=ulysses_group, ring_group=ring_group, causal=causal,
-                                           layout=layout))
+                                           layout=layout, window=window))
     out = {}
     for path, (cut, fn) in paths.items():
         got = grads(fn, [cut(x).to(dtype) for x in (q, k, v)], cut(do).to(dtype))
