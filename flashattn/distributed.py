@@ -164,8 +164,10 @@ def _band(delta: int, c: int, left, right):
     # local row i sees local key j when i + delta - left <= j <= i + delta + right
     if (left is not None and delta - left > c - 1) or (right is not None and c - 1 + delta + right < 0):
         return None
-    skip = max(0, delta - left) if left is not None else 0  # leading keys no row sees: those rows' tails
-    late = max(0, -(delta + right)) if right is not None else 0  # leading rows that see no key
+    # the first `skip` keys reach no row (nor do the last `skip` rows reach a key); the first `late` rows
+    # reach no key (nor do the last `late` keys reach a row)
+    skip = max(0, delta - left) if left is not None else 0
+    late = max(0, -(delta + right)) if right is not None else 0
     row0, col0 = late, skip  # at most one of them is nonzero (skip > 0 needs delta > 0, late > 0 delta < 0)
     length = c - skip - late
     wl = None if left is None else left - delta - row0 + col0
