@@ -27,13 +27,15 @@ only the schedule, the communication and the merge.
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from flashattn.api import _check_inputs, attention, check_flag, check_variants
+from flashattn.api import _check_inputs, attention, check_flag, check_variants, is_int
+from flashattn.varlen import attention_varlen
 from flashattn.autograd import backend, not_twice, use_kernels
 from flashattn.problem import Problem
 
@@ -43,16 +45,38 @@ LAYOUTS = ("contiguous", "zigzag")
 # --------------------------------------------------------------------------------------------------
 # the local attention (the only two functions that know how the package computes attention)
 # --------------------------------------------------------------------------------------------------
-def _local_forward(q, k, v, causal: bool, scale: float, window=None):
-    """Single-device attention of one query shard against one key/value shard: ``(o, lse)``."""
+def _local_forward(q, k, v, causal: bool, scale: float, window=None, documents=None):
+    """Single-device attention of one query shard against one key/value shard: ``(o, lse)``; with
+    ``documents`` (local cumulative lengths, B = 1) packed attention over them."""
     forward, _ = backend(use_kernels(q))
-    return forward(q, k, v, Problem.of(q, k, causal, scale, window=window))
+    if documents is None:
+        return forward(q, k, v, Problem.of(q, k, causal, scale, window=window))
+    problem, packing = _packed(q, k, causal, scale, documents)
+    o, lse = forward(*(_tokens(x) for x in (q, k, v)), problem, None, 0, packing)
+    return o.transpose(0, 1)[None], lse[None]
 
 
-def _local_backward(do, q, k, v, o, lse, causal: bool, scale: float, window=None):
+def _local_backward(do, q, k, v, o, lse, causal: bool, scale: float, window=None, documents=None):
     """Single-device backward of one shard pair, given the *global* o and lse: ``(dq, dk, dv)``."""
     _, backward = backend(use_kernels(q))
-    return backward(do, q, k, v, o, lse, Problem.of(q, k, causal, scale, window=window))[:3]
+    if documents is None:
+        return backward(do, q, k, v, o, lse, Problem.of(q, k, causal, scale, window=window))[:3]
+    problem, packing = _packed(q, k, causal, scale, documents)
+    grads = backward(*(_tokens(x) for x in (do, q, k, v, o)), lse[0], problem, None, None, 0, packing)[:3]
+    return tuple(g.transpose(0, 1)[None] for g in grads)
+
+
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """(1, H, L, D) -> (L, H, D), the packed layout, as a view."""
+    return x[0].transpose(0, 1)
+
+
+def _packed(q, k, causal: bool, scale: float, documents: tuple):
+    """The packed problem of one chunk's documents and its ``(cu_seqlens, cu_seqlens)``."""
+    cu = torch.tensor(documents, dtype=torch.int32, device=q.device)
+    longest = max(end - start for start, end in zip(documents[:-1], documents[1:]))
+    problem = Problem.packed(_tokens(q), _tokens(k), len(documents) - 1, longest, longest, causal, scale)
+    return problem, (cu, cu)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -132,6 +156,9 @@ class RingStep(NamedTuple):
     cols: slice
     causal: bool
     window: tuple | None = None
+    # packed documents inside the piece (rows and cols then cover the same chunk): the local cumulative
+    # lengths (0, ..., length), each document attending only to itself
+    documents: tuple | None = None
 
 
 # --8<-- [start:ring-step]
@@ -177,12 +204,17 @@ def _band(delta: int, c: int, left, right):
     return row0, col0, length, None if wl is None and wr is None else (wl, wr)
 
 
-def ring_pieces(rank: int, source: int, world: int, n: int, causal: bool, layout: str, window=None) -> list[RingStep]:
+def ring_pieces(rank: int, source: int, world: int, n: int, causal: bool, layout: str, window=None,
+                documents=None) -> list[RingStep]:
     """What rank ``rank`` of ``world`` computes with the key/value shard of rank ``source`` (local length
-    ``n``) as a list of pieces, empty when every pair of the two shards is masked. Without a window it is
-    :func:`ring_step`'s one step; with a global window ``(left, right)`` (query i sees key j when
-    i - left <= j <= i + right, causal folding right to 0) each pair of a query chunk and a key chunk
-    becomes at most one piece, cut to its visible rows and keys, with the window that remains inside it."""
+    ``n``) as a list of pieces, empty when every pair of the two shards is masked. Without a window or
+    documents it is :func:`ring_step`'s one step; with a global window ``(left, right)`` (query i sees
+    key j when i - left <= j <= i + right, causal folding right to 0) each pair of a query chunk and a key
+    chunk becomes at most one piece, cut to its visible rows and keys, with the window that remains
+    inside it; with packed ``documents`` (the full sequence's cumulative lengths), see
+    :func:`_document_pieces`."""
+    if documents is not None:
+        return _document_pieces(rank, source, world, n, causal, layout, documents)
     if window is None:
         step = ring_step(rank, source, n, causal, layout)
         return [] if step is None else [step]
@@ -203,6 +235,49 @@ def ring_pieces(rank: int, source: int, world: int, n: int, causal: bool, layout
             pieces.append(RingStep(rows, cols, False, local))
     return pieces
 # --8<-- [end:ring-window]
+
+
+# --8<-- [start:ring-documents]
+def _document_pieces(rank: int, source: int, world: int, n: int, causal: bool, layout: str,
+                     documents: tuple) -> list[RingStep]:
+    """:func:`ring_pieces` for packed documents: query i sees key j only inside its own document (and,
+    causal, when j <= i). Two different chunks are disjoint intervals, so at most one document reaches
+    both (it holds every position between them): their pair is the rectangle of that document's rows and
+    keys, all visible (causal: when the key chunk comes first; a later one is skipped). A chunk against
+    itself is packed attention over the documents inside it, causal within each when ``causal``."""
+    ids_q, ids_k = chunk_ids(rank, world, layout), chunk_ids(source, world, layout)
+    c = n // len(ids_q)
+    pieces = []
+    for iq, cq in enumerate(ids_q):
+        for ik, ck in enumerate(ids_k):
+            a, b = cq * c, ck * c  # global first query and first key
+            if cq == ck:
+                inner = tuple(x - a for x in documents if a < x < a + c)
+                bounds = (0, *inner, c)
+                rows = slice(iq * c, (iq + 1) * c)
+                cols = slice(ik * c, (ik + 1) * c)
+                # one document over the whole chunk: dense attention, no packing
+                pieces.append(RingStep(rows, cols, causal, None, bounds if inner else None))
+                continue
+            if causal and ck > cq:
+                continue  # every key after every query
+            # the one document that could reach both: the one holding the later chunk's first position
+            later = max(a, b)
+            start, end = _document_of(documents, later)
+            earlier = min(a, b)
+            if start >= earlier + c:
+                continue  # it begins inside the later chunk: the two chunks share no document
+            q_lo, q_hi = max(start, a) - a, min(end, a + c) - a
+            k_lo, k_hi = max(start, b) - b, min(end, b + c) - b
+            pieces.append(RingStep(slice(iq * c + q_lo, iq * c + q_hi), slice(ik * c + k_lo, ik * c + k_hi), False))
+    return pieces
+
+
+def _document_of(documents: tuple, position: int) -> tuple[int, int]:
+    """(start, end) of the document holding ``position``, from the cumulative lengths (0, ..., N)."""
+    i = bisect.bisect_right(documents, position) - 1
+    return documents[i], documents[i + 1]
+# --8<-- [end:ring-documents]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -257,7 +332,7 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 # --8<-- [start:ring-forward]
-def _ring_forward(q, k, v, causal: bool, scale: float, layout: str, group, window=None):
+def _ring_forward(q, k, v, causal: bool, scale: float, layout: str, group, window=None, documents=None):
     rank, world, next_rank, prev_rank = _ring_peers(group)
     n = q.shape[2]
     kv = torch.stack((k, v))  # (2, B, Hkv, n, D): one message per step
@@ -269,10 +344,10 @@ def _ring_forward(q, k, v, causal: bool, scale: float, layout: str, group, windo
         if step + 1 < world:  # the next shard travels while this one is used
             kv_next = torch.empty_like(kv)
             works = _pass_on(kv, kv_next, next_rank, prev_rank, group)
-        for plan in ring_pieces(rank, source, world, n, causal, layout, window):
+        for plan in ring_pieces(rank, source, world, n, causal, layout, window, documents):
             rows, cols = plan.rows, plan.cols
             o_part, lse_part = _local_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], plan.causal, scale,
-                                              plan.window)
+                                              plan.window, plan.documents)
             o[:, :, rows], lse[:, :, rows] = merge_pair(o[:, :, rows], lse[:, :, rows], o_part, lse_part)
         _wait(works)
         kv = kv_next
@@ -281,7 +356,8 @@ def _ring_forward(q, k, v, causal: bool, scale: float, layout: str, group, windo
 
 
 # --8<-- [start:ring-backward]
-def _ring_backward(do, q, k, v, o, lse, causal: bool, scale: float, layout: str, group, window=None):
+def _ring_backward(do, q, k, v, o, lse, causal: bool, scale: float, layout: str, group, window=None,
+                   documents=None):
     rank, world, next_rank, prev_rank = _ring_peers(group)
     n = q.shape[2]
     kv = torch.stack((k, v))
@@ -294,13 +370,13 @@ def _ring_backward(do, q, k, v, o, lse, causal: bool, scale: float, layout: str,
             kv_next = torch.empty_like(kv)
             kv_works = _pass_on(kv, kv_next, next_rank, prev_rank, group)
         dkv = torch.zeros(kv.shape, dtype=_acc_dtype(q), device=q.device)
-        for plan in ring_pieces(rank, source, world, n, causal, layout, window):
+        for plan in ring_pieces(rank, source, world, n, causal, layout, window, documents):
             rows, cols = plan.rows, plan.cols
             # The global o and lse: delta = rowsum(dO * O) and P = exp(S - LSE) are those of the full row,
             # so the partial gradients of all shards add up to the full gradient.
             dq_part, dk_part, dv_part = _local_backward(
                 do[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                o[:, :, rows], lse[:, :, rows], plan.causal, scale, plan.window)
+                o[:, :, rows], lse[:, :, rows], plan.causal, scale, plan.window, plan.documents)
             dq[:, :, rows] += dq_part
             dkv[0][:, :, cols] += dk_part
             dkv[1][:, :, cols] += dv_part
@@ -319,13 +395,14 @@ def _ring_backward(do, q, k, v, o, lse, causal: bool, scale: float, layout: str,
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """``apply(q, k, v, causal, scale, layout, group, window=None) -> (o, lse)``, both this rank's shard."""
+    """``apply(q, k, v, causal, scale, layout, group, window=None, documents=None) -> (o, lse)``, both this
+    rank's shard."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, layout: str, group, window=None):
-        o, lse = _ring_forward(q, k, v, causal, scale, layout, group, window)
+    def forward(ctx, q, k, v, causal: bool, scale: float, layout: str, group, window=None, documents=None):
+        o, lse = _ring_forward(q, k, v, causal, scale, layout, group, window, documents)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.layout, ctx.group, ctx.window = causal, scale, layout, group, window
+        ctx.call = (causal, scale, layout, group, window, documents)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -333,9 +410,8 @@ class RingAttentionFunction(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
         with torch.no_grad():  # under create_graph=True too: the exchanges have no graph to build
-            grads = _ring_backward(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale, ctx.layout, ctx.group,
-                                   ctx.window)
-        return *not_twice(grads, do, q, k, v), None, None, None, None, None
+            grads = _ring_backward(do.contiguous(), q, k, v, o, lse, *ctx.call)
+        return *not_twice(grads, do, q, k, v), None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -359,10 +435,35 @@ def _check_ring_inputs(q, k, v, causal, scale, layout, group, what: str = "ring_
         raise ValueError("q, k, v are CUDA tensors but the process group uses gloo; use the NCCL backend")
 
 
+def _check_documents(cu_seqlens, q: torch.Tensor, world: int, window) -> tuple | None:
+    """The documents' cumulative lengths as a tuple of ints 0 < ... < N (empty documents dropped), or
+    None; raises on anything else."""
+    if cu_seqlens is None:
+        return None
+    if window is not None:
+        raise ValueError("cu_seqlens and window cannot be combined in context-parallel attention")
+    if q.shape[0] != 1:
+        raise ValueError(f"packed documents (cu_seqlens) need a batch of 1, got B = {q.shape[0]}")
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
+            raise TypeError(f"cu_seqlens must be a 1-D integer tensor or a list of ints, got {cu_seqlens.dtype} "
+                            f"of shape {tuple(cu_seqlens.shape)}")
+        cu_seqlens = cu_seqlens.tolist()
+    values = list(cu_seqlens)
+    if not all(is_int(x) for x in values):
+        raise TypeError("cu_seqlens must hold ints")
+    total = q.shape[2] * world
+    if len(values) < 2 or values[0] != 0 or values[-1] != total:
+        raise ValueError(f"cu_seqlens must run from 0 to the full sequence length N = {total}, got {values}")
+    if any(b < a for a, b in zip(values[:-1], values[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {values}")
+    return tuple(sorted(set(int(x) for x in values)))
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None = None,
                    causal: bool = False, scale: float | None = None, layout: str = "contiguous",
-                   return_lse: bool = False, window: tuple[int | None, int | None] | None = None
-                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                   return_lse: bool = False, window: tuple[int | None, int | None] | None = None,
+                   cu_seqlens=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of ``group``; returns this rank's output shard.
 
     Args:
@@ -382,6 +483,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
             side is at most 0), as :func:`flashattn.attention` takes it for N = M. Each step computes
             only the pieces of the shard pair that the window reaches (:func:`ring_pieces`); a pair it
             misses is skipped, though its shard still travels the ring.
+        cu_seqlens: documents packed one after the other in the full sequence (B = 1), as their
+            cumulative lengths 0, ..., N (a list of ints or an integer tensor, read on the host): query
+            i then sees only keys of its own document, causal within it when ``causal=True``. Shard
+            pairs that share no document are skipped; a chunk against itself runs packed attention over
+            the documents inside it (:func:`ring_pieces`). Not with ``window``.
 
     Every rank must call it with tensors of the same shape, dtype and layout; that is the caller's
     promise (checking it would cost a collective per call). Shards must have equal length, so N must be
@@ -397,8 +503,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     _check_ring_inputs(q, k, v, causal, scale, layout, group)
     check_flag("return_lse", return_lse)
     window, _ = check_variants(q, q.shape[0], q.shape[1], window, None, None, 0.0)
+    documents = _check_documents(cu_seqlens, q, dist.get_world_size(group), window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    o, lse = RingAttentionFunction.apply(q, k, v, causal, scale, layout, group, window)
+    o, lse = RingAttentionFunction.apply(q, k, v, causal, scale, layout, group, window, documents)
     return (o, lse) if return_lse else o
 
 
@@ -443,8 +550,8 @@ def _heads_to_sequence(x: torch.Tensor, world: int, layout: str, group) -> torch
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None = None,
                       causal: bool = False, scale: float | None = None, layout: str = "contiguous",
-                      return_lse: bool = False, window: tuple[int | None, int | None] | None = None
-                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                      return_lse: bool = False, window: tuple[int | None, int | None] | None = None,
+                      cu_seqlens=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of ``group`` by an all-to-all of heads
     (Ulysses); returns this rank's output shard, like :func:`ring_attention`.
 
@@ -461,6 +568,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         return_lse: also return this shard's log-sum-exp (B, Hq, N/R), float32.
         window: a sliding window over the full sequence, as :func:`ring_attention` takes it; each rank
             holds the whole sequence of its heads, so it goes to :func:`flashattn.attention` as it is.
+        cu_seqlens: packed documents (B = 1), as :func:`ring_attention` takes them; each rank runs
+            :func:`flashattn.attention_varlen` over them on the whole sequence of its heads.
 
     Each rank runs :func:`flashattn.attention` on the whole sequence of its heads (the kernels on CUDA
     tensors with NCCL; on CPU tensors with gloo, the reference or, under ``TRITON_INTERPRET=1``, the
@@ -471,8 +580,22 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     _check_ring_inputs(q, k, v, causal, scale, layout, group, what="ulysses_attention")
     check_flag("return_lse", return_lse)
     window, _ = check_variants(q, q.shape[0], q.shape[1], window, None, None, 0.0)
-    return _over_heads(q, k, v, group, layout, return_lse,
-                       lambda *qkv: attention(*qkv, causal=causal, scale=scale, return_lse=True, window=window))
+    documents = _check_documents(cu_seqlens, q, dist.get_world_size(group), window)
+    if documents is None:
+        attend = lambda *qkv: attention(*qkv, causal=causal, scale=scale, return_lse=True, window=window)  # noqa: E731
+    else:
+        attend = lambda *qkv: _packed_attention(*qkv, documents, causal, scale)  # noqa: E731
+    return _over_heads(q, k, v, group, layout, return_lse, attend)
+
+
+def _packed_attention(q, k, v, documents: tuple, causal: bool, scale):
+    """``(o, lse)`` of :func:`flashattn.attention_varlen` over ``documents`` for (1, H, N, D) tensors, in
+    their layout."""
+    cu = torch.tensor(documents, dtype=torch.int32, device=q.device)
+    longest = max(end - start for start, end in zip(documents[:-1], documents[1:]))
+    o, lse = attention_varlen(*(_tokens(x) for x in (q, k, v)), cu, cu, longest, longest, causal=causal, scale=scale,
+                              return_lse=True)
+    return o.transpose(0, 1)[None], lse[None]
 
 
 def _over_heads(q, k, v, group, layout: str, return_lse: bool, attend):
@@ -504,7 +627,7 @@ def shard_sequence_2d(x: torch.Tensor, ring_rank: int, ring_size: int, ulysses_r
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_group: dist.ProcessGroup,
                      ring_group: dist.ProcessGroup, causal: bool = False, scale: float | None = None,
                      layout: str = "zigzag", return_lse: bool = False,
-                     window: tuple[int | None, int | None] | None = None
+                     window: tuple[int | None, int | None] | None = None, cu_seqlens=None
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across a grid of ranks: Ulysses inside ``ulysses_group``
     (its U ranks exchange heads), the ring across ``ring_group`` (its G ranks, one from each Ulysses
@@ -515,15 +638,16 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulyss
     group the whole ring shard of H / U heads; :func:`ring_attention` runs across the ring group on
     those; the reverse all-to-all hands the output back. Hq must be divisible by U (K/V heads are
     repeated as in :func:`ulysses_attention`). Every rank must belong to one Ulysses group and one ring
-    group, with the ring group's ranks ordered by ring position. ``window`` is the full sequence's, as
-    :func:`ring_attention` takes it.
+    group, with the ring group's ranks ordered by ring position. ``window`` and ``cu_seqlens`` are the
+    full sequence's, as :func:`ring_attention` takes them.
     """
     _check_ring_inputs(q, k, v, causal, scale, layout, ulysses_group, what="hybrid_attention")
     check_flag("return_lse", return_lse)
     # inside a group the pieces are contiguous: the gathered sequence is the ring position's shard
     return _over_heads(q, k, v, ulysses_group, "contiguous", return_lse,
                        lambda *qkv: ring_attention(*qkv, group=ring_group, causal=causal, scale=scale,
-                                                   layout=layout, return_lse=True, window=window))
+                                                   layout=layout, return_lse=True, window=window,
+                                                   cu_seqlens=cu_seqlens))
 
 
 __all__ = ["LAYOUTS", "RingStep", "chunk_ids", "gather_sequence", "hybrid_attention", "kv_head_repeats", "merge_pair",

@@ -28,8 +28,8 @@ import torch.multiprocessing as mp
 
 import flashattn.distributed as fd
 from flashattn import schedule
-from flashattn.reference import causal_mask, naive_attention
-from flashattn.testing import random_qkv, rel_err
+from flashattn.reference import causal_mask, naive_attention, varlen_attention
+from flashattn.testing import assert_close_ratio, random_qkv, rel_err
 
 LAUNCH_TIMEOUT_S = 120  # per world; a hang (a rank stuck in a send) fails the test instead of blocking CI
 GLOO_TIMEOUT_S = 30
@@ -51,6 +51,12 @@ CASES = {
     "window-causal-zigzag": dict(h_q=2, h_kv=1, d=16, chunk=4, causal=True, layout="zigzag", window=(5, None)),
     "window-both-sides-contiguous": dict(h_q=2, h_kv=2, d=24, chunk=4, causal=False, layout="contiguous",
                                          window=(6, 3)),
+    # Packed documents over the full sequence (B = 1): one inside a chunk, some across chunks and shards,
+    # an empty one
+    "documents-causal-zigzag": dict(h_q=2, h_kv=1, d=16, chunk=4, causal=True, layout="zigzag",
+                                    documents=lambda n: (0, 3, 5, 5, n // 2 + 1, n - 2, n)),
+    "documents-contiguous": dict(h_q=2, h_kv=2, d=24, chunk=4, causal=False, layout="contiguous",
+                                 documents=lambda n: (0, 6, n - 5, n)),
 }
 # Ulysses splits the heads over the ranks: every case has a multiple of 4 query heads.
 ULYSSES_CASES = {
@@ -62,6 +68,8 @@ ULYSSES_CASES = {
     "ulysses-large-logits": dict(h_q=4, h_kv=2, d=16, chunk=4, causal=True, layout="zigzag", std=6.0, scale=0.9),
     "ulysses-strided-long": dict(h_q=4, h_kv=4, d=16, chunk=40, causal=True, layout="contiguous", strided=True),
     "ulysses-window-causal-zigzag": dict(h_q=4, h_kv=2, d=16, chunk=4, causal=True, layout="zigzag", window=(5, 0)),
+    "ulysses-documents-causal-zigzag": dict(h_q=4, h_kv=2, d=16, chunk=4, causal=True, layout="zigzag",
+                                            documents=lambda n: (0, 3, n // 2 + 1, n)),
 }
 # Hybrid: Ulysses over groups of `width` ranks, the ring across the groups (width 1: the ring alone).
 HYBRID_CASES = {
@@ -70,6 +78,8 @@ HYBRID_CASES = {
     "hybrid-width1-causal-zigzag": dict(h_q=2, h_kv=1, d=16, chunk=4, causal=True, layout="zigzag", width=1),
     "hybrid-width2-window-causal-zigzag": dict(h_q=4, h_kv=2, d=16, chunk=4, causal=True, layout="zigzag", width=2,
                                                window=(9, None)),
+    "hybrid-width2-documents-causal-zigzag": dict(h_q=4, h_kv=2, d=16, chunk=4, causal=True, layout="zigzag",
+                                                  width=2, documents=lambda n: (0, 7, n - 3, n)),
 }
 CHECKS = [*CASES, *ULYSSES_CASES, *HYBRID_CASES, "no-grad", "gather", "odd-zigzag-shard", "shard-length-mismatch",
           "subgroup-of-3", "twice", "ulysses-heads-indivisible"]
@@ -83,10 +93,24 @@ def _problem(case: dict, world: int, device, dtype, seed: int):
     n = 2 * world * case["chunk"]
     g = torch.Generator(device=device).manual_seed(seed)
     layout = "bnhd" if case.get("strided") else "bhnd"
-    q, k, v = random_qkv(2, case["h_q"], case["h_kv"], n, n, case["d"], dtype=dtype, device=device,
+    q, k, v = random_qkv(1 if "documents" in case else 2, case["h_q"], case["h_kv"], n, n, case["d"], dtype=dtype, device=device,
                          generator=g, layout=layout, std=case.get("std", 1.0))
     do = torch.randn(q.shape, dtype=dtype, device=device, generator=g)
     return q, k, v, do
+
+
+def _documents(case: dict, n: int):
+    return case["documents"](n) if "documents" in case else None
+
+
+def _reference(full, case: dict, scale):
+    """float64 attention on the full sequence, by the definition: dense, or over the case's documents."""
+    documents = _documents(case, full[0].shape[2])
+    if documents is None:
+        return naive_attention(*full, case["causal"], scale, window=case.get("window"))
+    cu = torch.tensor(documents, dtype=torch.int32)
+    o, lse = varlen_attention(*(x[0].transpose(0, 1) for x in full), cu, cu, case["causal"], scale)
+    return o.transpose(0, 1)[None], lse[None]
 
 
 def _run_attention(case: dict, rank: int, world: int, group=None) -> dict:
@@ -94,7 +118,7 @@ def _run_attention(case: dict, rank: int, world: int, group=None) -> dict:
     q, k, v, do = _problem(case, world, "cpu", torch.float64, seed=1234)
     scale = case.get("scale")
     full = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    o_ref, lse_ref = naive_attention(*full, case["causal"], scale, window=case.get("window"))
+    o_ref, lse_ref = _reference(full, case, scale)
     o_ref.backward(do)
     # --8<-- [start:usage]
     shard = lambda x, dim=-2: fd.shard_sequence(x, rank, world, layout=case["layout"], dim=dim)  # noqa: E731
@@ -103,7 +127,7 @@ def _run_attention(case: dict, rank: int, world: int, group=None) -> dict:
         local = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in local]
     local = [x.detach().requires_grad_() for x in local]
     o, lse = fd.ring_attention(*local, group=group, causal=case["causal"], scale=scale, layout=case["layout"],
-                               return_lse=True, window=case.get("window"))
+                               return_lse=True, window=case.get("window"), cu_seqlens=_documents(case, q.shape[2]))
     o.backward(shard(do))
     # --8<-- [end:usage]
     errors = {"o": (o, shard(o_ref)), "lse": (lse, shard(lse_ref, dim=-1))}
@@ -117,7 +141,7 @@ def _against_full(case: dict, world: int, seed: int, shard, attend) -> dict:
     :func:`_run_attention`, the ring's documented example, for the other context-parallel paths)."""
     q, k, v, do = _problem(case, world, "cpu", torch.float64, seed=seed)
     full = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    o_ref, lse_ref = naive_attention(*full, case["causal"], case.get("scale"), window=case.get("window"))
+    o_ref, lse_ref = _reference(full, case, case.get("scale"))
     o_ref.backward(do)
     local = [shard(x) for x in (q, k, v)]
     if case.get("strided"):  # (B, N, H, D) storage viewed as (B, H, N, D)
@@ -135,7 +159,7 @@ def _run_ulysses(case: dict, rank: int, world: int) -> dict:
     shard = lambda x, dim=-2: fd.shard_sequence(x, rank, world, layout=case["layout"], dim=dim)  # noqa: E731
     return _against_full(case, world, 4321, shard, lambda q, k, v: fd.ulysses_attention(
         q, k, v, causal=case["causal"], scale=case.get("scale"), layout=case["layout"], return_lse=True,
-        window=case.get("window")))
+        window=case.get("window"), cu_seqlens=_documents(case, 2 * world * case["chunk"])))
 
 
 def _run_hybrid(case: dict, rank: int, world: int) -> dict:
@@ -151,7 +175,8 @@ def _run_hybrid(case: dict, rank: int, world: int) -> dict:
                                                    layout=case["layout"], dim=dim)
     return _against_full(case, world, 2468, shard, lambda q, k, v: fd.hybrid_attention(
         q, k, v, ulysses_group=ulysses_groups[position], ring_group=ring_groups[piece], causal=case["causal"],
-        layout=case["layout"], return_lse=True, window=case.get("window")))
+        layout=case["layout"], return_lse=True, window=case.get("window"),
+        cu_seqlens=_documents(case, 2 * world * case["chunk"])))
 
 
 def _max_err(got, want) -> float:
@@ -508,6 +533,87 @@ def test_window_pieces_cover_each_pair_in_the_window_once(world_size, causal, wi
         assert torch.equal(mask, _visible(n, n, causal, window).long())
 
 
+def _document_pieces_mask(world_size: int, chunk: int, causal: bool, layout: str, documents: tuple) -> torch.Tensor:
+    """The full (N, N) count of the pairs the pieces of :func:`ring_pieces` compute with packed documents:
+    a piece with its own documents is block-diagonal over them (causal inside each when it says so)."""
+    n_local = chunk * len(fd.chunk_ids(0, world_size, layout))
+    positions = [fd.shard_sequence(torch.arange(n_local * world_size)[:, None], r, world_size, layout=layout)[:, 0]
+                 for r in range(world_size)]
+    mask = torch.zeros(n_local * world_size, n_local * world_size, dtype=torch.long)
+    for rank in range(world_size):
+        for source in range(world_size):
+            for piece in fd.ring_pieces(rank, source, world_size, n_local, causal, layout, documents=documents):
+                rows, cols = positions[rank][piece.rows], positions[source][piece.cols]
+                mask[rows[:, None], cols[None, :]] += _document_mask(len(rows), len(cols), piece.causal,
+                                                                     piece.documents).long()
+    return mask
+
+
+def _document_mask(n: int, m: int, causal: bool, documents) -> torch.Tensor:
+    """(n, m) boolean: dense (bottom-right causal) without documents, else same document (and j <= i)."""
+    if documents is None:
+        return _visible(n, m, causal, None)
+    doc = torch.zeros(n, dtype=torch.long)
+    for d, (start, end) in enumerate(zip(documents[:-1], documents[1:])):
+        doc[start:end] = d
+    visible = doc[:, None] == doc[None, :]
+    return visible & (torch.arange(m)[None, :] <= torch.arange(n)[:, None]) if causal else visible
+
+
+@pytest.mark.parametrize("layout", fd.LAYOUTS)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_document_pieces_cover_each_pair_of_a_document_once(world_size, causal, layout):
+    """Brute force: with packed documents the pieces of all ranks' steps compute every pair inside one
+    document (causal: j <= i) exactly once and no other, for random boundaries: documents inside a
+    chunk, across chunks and shards, one over everything, empty ones."""
+    gen = torch.Generator().manual_seed(world_size * 2 + causal)
+    for chunk in (1, 3, 4, 7):
+        n = chunk * world_size * (2 if layout == "zigzag" else 1)
+        for _ in range(6):
+            cuts = torch.randint(0, n + 1, (int(torch.randint(0, 6, (1,), generator=gen)),), generator=gen)
+            documents = tuple(sorted({0, n, *cuts.tolist()}))
+            mask = _document_pieces_mask(world_size, chunk, causal, layout, documents)
+            assert torch.equal(mask, _document_mask(n, n, causal, documents).long()), documents
+
+
+def test_packed_pieces_run_the_kernels_under_the_interpreter():
+    """A piece with documents runs the packed kernels on (1, H, L, D) slices seen as (L, H, D): forward
+    and backward against the float64 packed reference (CPU, float16; kernels under TRITON_INTERPRET=1,
+    else the reference)."""
+    documents = (0, 5, 6, 19, 24)
+    q, k, v = random_qkv(1, 4, 2, 24, 24, 16, dtype=torch.float16, generator=torch.Generator().manual_seed(3))
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).half()
+    o, lse = fd._local_forward(q, k, v, True, 0.25, documents=documents)
+    grads = fd._local_backward(do, q, k, v, o.to(q.dtype), lse, True, 0.25, documents=documents)
+    cu = torch.tensor(documents, dtype=torch.int32)
+    refs = []
+    for dtype in (torch.float64, torch.float16):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        o_r, lse_r = varlen_attention(*(x[0].transpose(0, 1) for x in leaves), cu, cu, True, 0.25)
+        o_r = o_r.transpose(0, 1)[None]
+        refs.append((o_r, lse_r[None], *torch.autograd.grad(o_r, leaves, do.to(dtype))))
+    for name, got, ref, low in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, *grads), *refs):
+        assert got.shape == ref.shape, name
+        assert_close_ratio(name, got.detach().to(ref.dtype), ref.detach(), low.detach().to(ref.dtype))
+
+
+@pytest.mark.parametrize("kwargs,error,words", [
+    (dict(cu_seqlens=[0, 3, 16], window=(2, 0)), ValueError, "cannot be combined"),
+    (dict(cu_seqlens=[0, 3, 15]), ValueError, "from 0 to the full sequence length"),
+    (dict(cu_seqlens=[0, 9, 3, 16]), ValueError, "non-decreasing"),
+    (dict(cu_seqlens=torch.tensor([0.0, 16.0])), TypeError, "integer tensor"),
+    (dict(cu_seqlens=[0, 2.5, 16]), TypeError, "must hold ints"),
+])
+def test_bad_documents_are_refused(kwargs, error, words):
+    q = torch.zeros(1, 2, 16, 16)
+    with pytest.raises(error, match=words):
+        fd._check_documents(kwargs["cu_seqlens"], q, 1, kwargs.get("window"))
+    with pytest.raises(ValueError, match="batch of 1"):
+        fd._check_documents([0, 16], torch.zeros(2, 2, 16, 16), 1, None)
+    assert fd._check_documents(torch.tensor([0, 4, 4, 16]), q, 1, None) == (0, 4, 16)
+
+
 def test_zigzag_balances_causal_work():
     """Pairs computed per rank: equal across ranks with zig-zag, skewed P-fold-ish with contiguous shards."""
     world_size, chunk = 4, 8
@@ -615,6 +721,8 @@ GPU_CASES = {
     "plain-contiguous": dict(h_q=4, h_kv=4, d=64, chunk=200, causal=False, layout="contiguous"),
     "gqa-d96-causal-zigzag": dict(h_q=8, h_kv=2, d=96, chunk=192, causal=True, layout="zigzag"),
     "window-causal-zigzag": dict(h_q=4, h_kv=2, d=128, chunk=256, causal=True, layout="zigzag", window=(300, None)),
+    "documents-causal-zigzag": dict(h_q=4, h_kv=2, d=128, chunk=256, causal=True, layout="zigzag",
+                                    documents=lambda n: (0, 100, n // 2 + 37, n - 300, n)),
 }
 GPU_DTYPES = ["float16", "bfloat16"]
 GPU_HYBRID_WIDTH = 2  # Ulysses groups of 2: on two GPUs one group (a ring of one), on four a 2 x 2 grid
@@ -663,6 +771,7 @@ def _gpu_check(case: dict, dtype, rank: int, world: int, grid) -> dict:
     device = torch.device("cuda", rank)
     q, k, v, do = _problem(case, world, device, torch.float64, seed=99)
     causal, layout, window = case["causal"], case["layout"], case.get("window")
+    documents = _documents(case, q.shape[2])
 
     def grads(fn, inputs, grad_out):
         inputs = [x.detach().clone().requires_grad_() for x in inputs]
@@ -670,20 +779,23 @@ def _gpu_check(case: dict, dtype, rank: int, world: int, grid) -> dict:
         o.backward(grad_out)
         return [o.detach()] + [x.grad for x in inputs]
 
-    ref = grads(lambda *x: naive_attention(*x, causal, window=window)[0], (q, k, v), do)
-    single = grads(lambda *x: flashattn.attention(*x, causal=causal, window=window), [x.to(dtype) for x in (q, k, v)],
-                   do.to(dtype))
+    ref = grads(lambda *x: _reference(x, case, None)[0], (q, k, v), do)
+    if documents is None:
+        single_fn = lambda *x: flashattn.attention(*x, causal=causal, window=window)  # noqa: E731
+    else:
+        single_fn = lambda *x: fd._packed_attention(*x, documents, causal, None)[0]  # noqa: E731
+    single = grads(single_fn, [x.to(dtype) for x in (q, k, v)], do.to(dtype))
     shard = lambda x: fd.shard_sequence(x, rank, world, layout=layout)  # noqa: E731
-    paths = {"ring": (shard, lambda *x: fd.ring_attention(*x, causal=causal, layout=layout, window=window))}
+    options = dict(causal=causal, layout=layout, window=window, cu_seqlens=documents)
+    paths = {"ring": (shard, lambda *x: fd.ring_attention(*x, **options))}
     if case["h_q"] % world == 0:
-        paths["ulysses"] = (shard, lambda *x: fd.ulysses_attention(*x, causal=causal, layout=layout, window=window))
+        paths["ulysses"] = (shard, lambda *x: fd.ulysses_attention(*x, **options))
     if grid is not None and case["h_q"] % GPU_HYBRID_WIDTH == 0:
         ulysses_group, ring_group, position, piece = grid
         ring_size = world // GPU_HYBRID_WIDTH
         paths["hybrid"] = (
             lambda x: fd.shard_sequence_2d(x, position, ring_size, piece, GPU_HYBRID_WIDTH, layout=layout),
-            lambda *x: fd.hybrid_attention(*x, ulysses_group=ulysses_group, ring_group=ring_group, causal=causal,
-                                           layout=layout, window=window))
+            lambda *x: fd.hybrid_attention(*x, ulysses_group=ulysses_group, ring_group=ring_group, **options))
     out = {}
     for path, (cut, fn) in paths.items():
         got = grads(fn, [cut(x).to(dtype) for x in (q, k, v)], cut(do).to(dtype))
