@@ -198,11 +198,6 @@ def current_tuning() -> Tuning:
     return _TUNING.get()
 
 
-def is_default(tuning: Tuning) -> bool:
-    """Whether ``tuning`` (one :func:`current_tuning` returned earlier) pins nothing."""
-    return tuning is _DEFAULT_TUNING
-
-
 def tuning_is_default() -> bool:
     """Whether no :func:`tuning` is in force: the table's choices, cached per problem, apply."""
     return _TUNING.get() is _DEFAULT_TUNING

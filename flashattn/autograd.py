@@ -189,12 +189,6 @@ def sinks_grad(do, o, lse, dlse, sinks: torch.Tensor, packed: bool) -> torch.Ten
         delta = delta.transpose(0, 1)  # (Hq, total), lse's layout
     if dlse is not None:
         delta = delta - dlse.to(delta.dtype)
-    return sinks_grad_from_delta(delta, lse, sinks, packed)
-
-
-def sinks_grad_from_delta(delta: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, packed: bool) -> torch.Tensor:
-    """:func:`sinks_grad` from the backward kernels' own row statistic delta = rowsum(dO * O) - dLSE
-    (lse's layout, float32): a reduction over the rows alone, with no pass over O or dO."""
     lse_w = _wide(lse)
     p_sink = torch.exp(_row_shape(sinks.to(lse_w.dtype), packed) - lse_w)
     p_sink = torch.where(lse_w == float("-inf"), 0.0, p_sink)  # no key and a sink of -inf: nothing flows

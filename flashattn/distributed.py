@@ -71,10 +71,16 @@ def _tokens(x: torch.Tensor) -> torch.Tensor:
     return x[0].transpose(0, 1)
 
 
+def _cu_seqlens(documents: tuple, device) -> tuple[torch.Tensor, int]:
+    """The documents' cumulative lengths as the packed kernels take them (int32 on ``device``) and the
+    longest document's length."""
+    longest = max(end - start for start, end in zip(documents[:-1], documents[1:]))
+    return torch.tensor(documents, dtype=torch.int32, device=device), longest
+
+
 def _packed(q, k, causal: bool, scale: float, documents: tuple):
     """The packed problem of one chunk's documents and its ``(cu_seqlens, cu_seqlens)``."""
-    cu = torch.tensor(documents, dtype=torch.int32, device=q.device)
-    longest = max(end - start for start, end in zip(documents[:-1], documents[1:]))
+    cu, longest = _cu_seqlens(documents, q.device)
     problem = Problem.packed(_tokens(q), _tokens(k), len(documents) - 1, longest, longest, causal, scale)
     return problem, (cu, cu)
 
@@ -591,8 +597,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
 def _packed_attention(q, k, v, documents: tuple, causal: bool, scale):
     """``(o, lse)`` of :func:`flashattn.attention_varlen` over ``documents`` for (1, H, N, D) tensors, in
     their layout."""
-    cu = torch.tensor(documents, dtype=torch.int32, device=q.device)
-    longest = max(end - start for start, end in zip(documents[:-1], documents[1:]))
+    cu, longest = _cu_seqlens(documents, q.device)
     o, lse = attention_varlen(*(_tokens(x) for x in (q, k, v)), cu, cu, longest, longest, causal=causal, scale=scale,
                               return_lse=True)
     return o.transpose(0, 1)[None], lse[None]

@@ -462,24 +462,37 @@ def test_uneven_sequence_is_rejected(layout, n, world_size):
         fd.shard_sequence(torch.zeros(1, 1, n, 16), 0, world_size, layout=layout)
 
 
-def _schedule_mask(world_size: int, chunk: int, causal: bool, layout: str) -> torch.Tensor:
-    """The full (N, N) mask of the query/key pairs the ring steps compute, from :func:`ring_step`;
-    a pair computed twice counts twice."""
+def _schedule_mask(world_size: int, chunk: int, causal: bool, layout: str, window=None, documents=None
+                   ) -> torch.Tensor:
+    """The full (N, N) count of the query/key pairs the ring's steps compute, from the pieces of
+    :func:`ring_pieces` (:func:`ring_step`'s one step without a window or documents), each piece through
+    its own causal flag, local window and documents; a pair computed twice counts twice."""
     n_local = chunk * len(fd.chunk_ids(0, world_size, layout))
     positions = [fd.shard_sequence(torch.arange(n_local * world_size)[:, None], r, world_size, layout=layout)[:, 0]
                  for r in range(world_size)]
     mask = torch.zeros(n_local * world_size, n_local * world_size, dtype=torch.long)
     for rank in range(world_size):
         for source in range(world_size):
-            plan = fd.ring_step(rank, source, n_local, causal, layout)
-            if plan is None:
-                continue
-            rows, cols = positions[rank][plan.rows], positions[source][plan.cols]
-            pairs = torch.ones(len(rows), len(cols), dtype=torch.long)
-            if plan.causal:
-                pairs = causal_mask(len(rows), len(cols)).long()
-            mask[rows[:, None], cols[None, :]] += pairs
+            for piece in fd.ring_pieces(rank, source, world_size, n_local, causal, layout, window, documents):
+                rows, cols = positions[rank][piece.rows], positions[source][piece.cols]
+                mask[rows[:, None], cols[None, :]] += _visible(len(rows), len(cols), piece.causal, piece.window,
+                                                               piece.documents).long()
     return mask
+
+
+def _visible(n: int, m: int, causal: bool, window=None, documents=None) -> torch.Tensor:
+    """(n, m) boolean: which keys each query sees, by the schedule's functions (as the reference masks),
+    and, with ``documents`` (cumulative lengths over n = m rows), only inside its own document."""
+    rows, cols = torch.arange(n)[:, None], torch.arange(m)[None, :]
+    visible = schedule.visible(rows, cols, n, m, causal)
+    if window is not None:
+        visible = visible & schedule.in_window(rows, cols, n, m, *schedule.window_bounds(n, m, causal, tuple(window)))
+    if documents is not None:
+        doc = torch.zeros(n, dtype=torch.long)
+        for d, (start, end) in enumerate(zip(documents[:-1], documents[1:])):
+            doc[start:end] = d
+        visible = visible & (doc[:, None] == doc[None, :])
+    return visible
 
 
 @pytest.mark.parametrize("layout", fd.LAYOUTS)
@@ -494,30 +507,6 @@ def test_schedule_covers_each_visible_pair_once(world_size, causal, layout):
     assert torch.equal(mask, want)
 
 
-def _pieces_mask(world_size: int, chunk: int, causal: bool, layout: str, window) -> torch.Tensor:
-    """The full (N, N) count of the query/key pairs the pieces of :func:`ring_pieces` compute, each
-    piece through its own causal flag and local window (the kernels' bottom-right convention)."""
-    n_local = chunk * len(fd.chunk_ids(0, world_size, layout))
-    positions = [fd.shard_sequence(torch.arange(n_local * world_size)[:, None], r, world_size, layout=layout)[:, 0]
-                 for r in range(world_size)]
-    mask = torch.zeros(n_local * world_size, n_local * world_size, dtype=torch.long)
-    for rank in range(world_size):
-        for source in range(world_size):
-            for piece in fd.ring_pieces(rank, source, world_size, n_local, causal, layout, window):
-                rows, cols = positions[rank][piece.rows], positions[source][piece.cols]
-                mask[rows[:, None], cols[None, :]] += _visible(len(rows), len(cols), piece.causal, piece.window).long()
-    return mask
-
-
-def _visible(n: int, m: int, causal: bool, window) -> torch.Tensor:
-    """(n, m) boolean: which keys each query sees, by the schedule's functions (as the reference masks)."""
-    rows, cols = torch.arange(n)[:, None], torch.arange(m)[None, :]
-    visible = schedule.visible(rows, cols, n, m, causal)
-    if window is not None:
-        visible = visible & schedule.in_window(rows, cols, n, m, *schedule.window_bounds(n, m, causal, tuple(window)))
-    return visible
-
-
 @pytest.mark.parametrize("layout", fd.LAYOUTS)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("causal,window", [(True, (0, None)), (True, (2, None)), (True, (5, 0)), (True, (11, None)),
@@ -528,36 +517,9 @@ def test_window_pieces_cover_each_pair_in_the_window_once(world_size, causal, wi
     exactly once and none outside it, with windows narrower than a chunk, reaching over several
     shards, and wider than the sequence."""
     for chunk in (1, 3, 4):
-        mask = _pieces_mask(world_size, chunk, causal, layout, window)
+        mask = _schedule_mask(world_size, chunk, causal, layout, window)
         n = mask.shape[0]
         assert torch.equal(mask, _visible(n, n, causal, window).long())
-
-
-def _document_pieces_mask(world_size: int, chunk: int, causal: bool, layout: str, documents: tuple) -> torch.Tensor:
-    """The full (N, N) count of the pairs the pieces of :func:`ring_pieces` compute with packed documents:
-    a piece with its own documents is block-diagonal over them (causal inside each when it says so)."""
-    n_local = chunk * len(fd.chunk_ids(0, world_size, layout))
-    positions = [fd.shard_sequence(torch.arange(n_local * world_size)[:, None], r, world_size, layout=layout)[:, 0]
-                 for r in range(world_size)]
-    mask = torch.zeros(n_local * world_size, n_local * world_size, dtype=torch.long)
-    for rank in range(world_size):
-        for source in range(world_size):
-            for piece in fd.ring_pieces(rank, source, world_size, n_local, causal, layout, documents=documents):
-                rows, cols = positions[rank][piece.rows], positions[source][piece.cols]
-                mask[rows[:, None], cols[None, :]] += _document_mask(len(rows), len(cols), piece.causal,
-                                                                     piece.documents).long()
-    return mask
-
-
-def _document_mask(n: int, m: int, causal: bool, documents) -> torch.Tensor:
-    """(n, m) boolean: dense (bottom-right causal) without documents, else same document (and j <= i)."""
-    if documents is None:
-        return _visible(n, m, causal, None)
-    doc = torch.zeros(n, dtype=torch.long)
-    for d, (start, end) in enumerate(zip(documents[:-1], documents[1:])):
-        doc[start:end] = d
-    visible = doc[:, None] == doc[None, :]
-    return visible & (torch.arange(m)[None, :] <= torch.arange(n)[:, None]) if causal else visible
 
 
 @pytest.mark.parametrize("layout", fd.LAYOUTS)
@@ -573,8 +535,8 @@ def test_document_pieces_cover_each_pair_of_a_document_once(world_size, causal, 
         for _ in range(6):
             cuts = torch.randint(0, n + 1, (int(torch.randint(0, 6, (1,), generator=gen)),), generator=gen)
             documents = tuple(sorted({0, n, *cuts.tolist()}))
-            mask = _document_pieces_mask(world_size, chunk, causal, layout, documents)
-            assert torch.equal(mask, _document_mask(n, n, causal, documents).long()), documents
+            mask = _schedule_mask(world_size, chunk, causal, layout, documents=documents)
+            assert torch.equal(mask, _visible(n, n, causal, documents=documents).long()), documents
 
 
 def test_packed_pieces_run_the_kernels_under_the_interpreter():

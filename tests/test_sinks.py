@@ -202,7 +202,7 @@ def test_gpu_packed_and_cache_with_sinks_match_float64():
 def test_interpreter_kernels_join_the_sinks_themselves(monkeypatch):
     """On the kernels' path the forward joins the sinks in its epilogue and the dQ kernel sums the
     sinks' gradient from its row statistics: no PyTorch pass over O or over the rows (with_sinks,
-    sinks_grad, sinks_grad_from_delta) runs, and the results still match the float64 definition,
+    sinks_grad) runs, and the results still match the float64 definition,
     dense and packed, with sinks of any strides."""
     from flashattn import autograd
 
@@ -211,7 +211,6 @@ def test_interpreter_kernels_join_the_sinks_themselves(monkeypatch):
 
     monkeypatch.setattr(autograd, "with_sinks", refuse)
     monkeypatch.setattr(autograd, "sinks_grad", refuse)
-    monkeypatch.setattr(autograd, "sinks_grad_from_delta", refuse)
     _dense_case(torch.float16, 2, 4, 2, 33, 40, 24, dict(causal=True))
     lens = [9, 0, 17]
     q, k, v = _randn(26, 4, 16), _randn(26, 2, 16, seed=1), _randn(26, 2, 16, seed=2)

@@ -48,9 +48,7 @@ def dkdv(q, k, v, do, lse2, delta, dk, dv, causal: bool, scale: float, stages: i
     from flashattn.tensors import ceil_div
     from flashattn.constants import LOG2E
 
-    kernel = _get_kernel()
-    if kernel is None:
-        raise RuntimeError(f"Gluon Hopper dK/dV kernel unavailable: {_get_kernel.error!r}")
+    kernel = fwd.require(_get_kernel, "dK/dV kernel")
     B, Hq, N, D = q.shape
     _, Hkv, M, _ = k.shape
     assert D in HEAD_DIMS and scale > 0
@@ -100,9 +98,7 @@ def dq(q, k, v, do, lse2, delta, dq_out, causal: bool, scale: float, block_n: in
     from flashattn.tensors import ceil_div
     from flashattn.constants import LOG2E
 
-    kernel = _get_dq_kernel()
-    if kernel is None:
-        raise RuntimeError(f"Gluon Hopper dQ kernel unavailable: {_get_dq_kernel.error!r}")
+    kernel = fwd.require(_get_dq_kernel, "dQ kernel")
     B, Hq, N, D = q.shape
     _, Hkv, M, _ = k.shape
     assert D in DQ_HEAD_DIMS and scale > 0

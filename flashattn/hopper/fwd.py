@@ -182,6 +182,15 @@ def _load_kernel():
 _get_kernel = LazyKernel(_load_kernel)
 
 
+def require(get_kernel, what: str):
+    """``get_kernel()`` (a :class:`LazyKernel`), or ``RuntimeError`` naming ``what`` where this Triton
+    cannot build it."""
+    kernel = get_kernel()
+    if kernel is None:
+        raise RuntimeError(f"Gluon Hopper {what} unavailable: {get_kernel.error!r}")
+    return kernel
+
+
 def descriptor(t, rows: int):
     """A Gluon TMA descriptor of the 4-d tensor ``t`` (B, H, L, D) read in [1, 1, rows, D] tiles, with
     its own strides (the head dim must be contiguous and the other strides 16-byte aligned)."""
@@ -236,9 +245,7 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     from flashattn.tensors import ceil_div, describable, tile_counter
     from flashattn.constants import LOG2E
 
-    kernel = _get_kernel()
-    if kernel is None:
-        raise RuntimeError(f"Gluon Hopper forward unavailable: {_get_kernel.error!r}")
+    kernel = require(_get_kernel, "forward")
     B, Hq, N, D = q.shape
     Bk, Hkv, M, Dk = k.shape
     assert v.shape == k.shape and Bk == B and Dk == D and Hq % Hkv == 0

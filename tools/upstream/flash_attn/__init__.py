@@ -6,15 +6,7 @@ what a user porting code from flash_attn gets. Not installed anywhere: ``tools/u
 this folder first on ``sys.path``.
 """
 
-from flash_attn.flash_attn_interface import (  # noqa: F401
-    flash_attn_func,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    flash_attn_varlen_func,
-    flash_attn_varlen_kvpacked_func,
-    flash_attn_varlen_qkvpacked_func,
-    flash_attn_with_kvcache,
-)
+from flash_attn.flash_attn_interface import *  # noqa: F401,F403  (its __all__: the compat functions)
 
 # Marks this package as the shim, so a run can tell it from a real flash_attn found first on the path.
 IS_FLASHATTN_SHIM = True

@@ -11,6 +11,9 @@ from flashattn.compat import (  # noqa: F401
     flash_attn_with_kvcache,
 )
 
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
+
 
 class NoAttentionProbabilities(NotImplementedError):
     """Raised where a test needs flash_attn's returned attention probabilities (``S_dmask``), which
