@@ -18,7 +18,7 @@ import torch
 from benchmarks import side
 from benchmarks.decode import _bench, _graph_bench
 
-KNOBS = ((4, 4), (8, 4), (4, 2), (8, 2), (16, 2), (16, 1))  # (PROGRAMS_PER_SM, MIN_BLOCKS_PER_SPLIT)
+KNOBS = ((1, 2), (2, 2), (1, 4), (4, 4), (8, 2), (16, 1))  # (PROGRAMS_PER_SM, MIN_BLOCKS_PER_SPLIT)
 SHAPES = ((1, 4096), (1, 16384), (1, 65536), (1, 131072), (16, 4096), (16, 16384))  # (B, M)
 
 

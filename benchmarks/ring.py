@@ -86,6 +86,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--no-torch-cp", action="store_true", help="skip PyTorch's context_parallel")
+    p.add_argument("--no-single-gpu", action="store_true",
+                   help="skip the single-GPU baseline (no fraction of one GPU's throughput is reported)")
+    p.add_argument("--ring-fetch", choices=["direct", "relay"], default=None,
+                   help="the ring forward's key/value exchange: every shard fetched from its owner at the start "
+                        "(direct), or passed along the ring step by step (relay); default: the package's choice "
+                        "for the group size (flashattn.distributed.DIRECT_FETCH_MAX_WORLD)")
+    p.add_argument("--sm-margin", type=int, default=None,
+                   help="SMs the ring forward's persistent kernels leave to NCCL while exchanges are in flight "
+                        "(default: flashattn.distributed.EXCHANGE_SM_MARGIN)")
+    p.add_argument("--profile-exchange", action="store_true",
+                   help="one more forward per strategy under torch.profiler: exchange against compute (GPU only)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, gloo, float64, tiny lengths, no baseline or memory: checks the harness runs")
     p.add_argument("--out", type=Path, required=True, help="JSON file (written by rank 0, after every length)")
@@ -96,6 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.dtype, args.head_dim, args.warmup, args.reps = "float64", 16, 1, 2
     args.kv_heads = args.kv_heads or args.heads
     args.strategy = list(dict.fromkeys(args.strategy))
+    if args.sm_margin is not None and args.sm_margin < 0:
+        p.error("--sm-margin must be >= 0")
     if args.ulysses_size is not None and args.ulysses_size < 1:
         p.error("--ulysses-size must be >= 1")
     for name in ("heads", "kv_heads", "head_dim", "batch", "warmup", "reps"):
@@ -163,6 +176,65 @@ def timed(fn, device, warmup: int, reps: int) -> tuple[float, float | None]:
             times.append((time.perf_counter() - t0) * 1e3)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return statistics.median(times), peak
+
+
+EXCHANGE_KEYS = ("span_ms", "compute_ms", "exchange_ms", "exposed_exchange_ms", "idle_ms")
+
+
+def interval_stats(kernels: list[tuple[str, float, float]]) -> tuple[float, ...]:
+    """From one call's GPU kernels ``(name, start_us, end_us)``: its span (first start to last end), the time
+    some compute kernel runs, the time some exchange (NCCL) kernel runs, the exchange time no compute
+    kernel overlaps, and the time no kernel runs; in milliseconds, in the order of ``EXCHANGE_KEYS``."""
+    def union(spans):
+        merged = []
+        for a, b in sorted(spans):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        return merged
+
+    def length(spans):
+        return sum(b - a for a, b in spans)
+
+    if not kernels:
+        return (0.0,) * len(EXCHANGE_KEYS)
+    nccl = union([(a, b) for name, a, b in kernels if "nccl" in name.lower()])
+    compute = union([(a, b) for name, a, b in kernels if "nccl" not in name.lower()])
+    busy = union([(a, b) for _, a, b in kernels])
+    overlap = sum(max(0.0, min(b, d) - max(a, c)) for a, b in nccl for c, d in compute)  # both lists are disjoint
+    span = max(b for _, _, b in kernels) - min(a for _, a, _ in kernels)
+    return tuple(x / 1e3 for x in (span, length(compute), length(nccl), length(nccl) - overlap, span - length(busy)))
+
+
+_PROFILER_STARTED: list = []
+
+
+def exchange_profile(fn, device) -> tuple[float, ...]:
+    """:func:`interval_stats` of one ``fn()`` after a barrier, from torch.profiler's CUDA kernel records."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not _PROFILER_STARTED:  # the first profile of a process also starts CUPTI: not in a timed one
+        with profile(activities=[ProfilerActivity.CUDA]):
+            torch.ones(1, device=device).add_(1)
+            torch.cuda.synchronize(device)
+        _PROFILER_STARTED.append(True)
+    dist.barrier()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    return interval_stats(kernels)
+
+
+def gather_rows(values: tuple[float, ...], device) -> list[list[float]]:
+    """Every rank's ``values`` (one tuple of floats each), in rank order."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [x.tolist() for x in out]
 
 
 def gather_floats(x: float, device) -> list[float]:
@@ -274,6 +346,9 @@ def measure_strategy(args, strategy: str, n: int, causal: bool, device, grid: Gr
            "peak_gib_per_rank": gather_floats(peak, device) if device.type == "cuda" else None}
     if strategy == "hybrid":
         rec["grid"] = {"ulysses": grid.ulysses, "ring": grid.ring}
+    if args.profile_exchange and device.type == "cuda":
+        rec["exchange_per_rank"] = [dict(zip(EXCHANGE_KEYS, vals)) for vals in
+                                    gather_rows(exchange_profile(fwd, device), device)]
     work = local_work(args, strategy, n, grid)
     rec["compute_ms_per_rank"] = gather_floats(rank_compute_ms(args, causal, layout, device, **work), device)
     times = rec["compute_ms_per_rank"]
@@ -447,6 +522,10 @@ def _attempt(device, fn, *args) -> dict:
 
 
 def run(args) -> dict:
+    if args.ring_fetch is not None:
+        fd.DIRECT_FETCH_MAX_WORLD = 1 << 30 if args.ring_fetch == "direct" else 0
+    if args.sm_margin is not None:
+        fd.EXCHANGE_SM_MARGIN = args.sm_margin
     device = init(args.dry_run)
     world, rank = dist.get_world_size(), dist.get_rank()
     masks = {"causal": [True], "full": [False], "both": [False, True]}[args.mask]
@@ -460,6 +539,8 @@ def run(args) -> dict:
             grid = make_grid(world, rank, args.ulysses_size)
         payload = {"environment": environment(device),
                    "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                   "ring_fetch": "direct" if world <= fd.DIRECT_FETCH_MAX_WORLD else "relay",
+                   "sm_margin": fd.EXCHANGE_SM_MARGIN,
                    "methods": {"timing": TIMING_HOW.format(warmup=args.warmup, reps=args.reps),
                                "baseline": BASELINE_HOW,
                                "strategies": {s: STRATEGY_HOW[s] for s in args.strategy},
@@ -467,7 +548,11 @@ def run(args) -> dict:
                                         "fwd_bwd = 3.5 x fwd",
                                "balance": "(max - min) / mean over ranks of the time of each rank's local forward "
                                           "calls alone (its ring steps with its own K/V standing in for the others'; for "
-                                          "Ulysses one call on the whole sequence of its heads; no communication)"},
+                                          "Ulysses one call on the whole sequence of its heads; no communication)",
+                               "exchange": "with --profile-exchange, one more forward per strategy under torch.profiler "
+                                           "(CUDA kernels only), per rank: its span, the time compute kernels run, the "
+                                           "time NCCL kernels run, the NCCL time no compute kernel overlaps, and the "
+                                           "time no kernel runs (benchmarks.ring.interval_stats)"},
                    "rows": []}
 
         def save(rows):
@@ -494,7 +579,7 @@ def run(args) -> dict:
                     row[strategy] = _attempt(device, measure_strategy, args, strategy, n, causal, device, grid)
                     dist.barrier()
                     save(rows)
-                shared = [] if args.dry_run else [("single_gpu", measure_single_gpu)]
+                shared = [] if args.dry_run or args.no_single_gpu else [("single_gpu", measure_single_gpu)]
                 if not args.dry_run and not args.no_torch_cp:
                     shared.append(("torch_cp", measure_torch_cp))
                 for name, fn in shared:

@@ -172,7 +172,8 @@ def _capability(device_index: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Tuning:
-    """What a benchmark sweep may pin for the calls made inside :func:`tuning` (the package never does).
+    """What a benchmark sweep may pin for the calls made inside :func:`tuning` (the package never does),
+    and the SMs a persistent launch leaves to other streams' kernels (:func:`sm_margin`).
 
     ``configs`` maps a kernel name to the configuration to launch it with; ``heads_per_group`` caps the
     causal launch order's group (the largest divisor of B * H up to it is used); ``overlap_dq`` lets
@@ -180,7 +181,8 @@ class Tuning:
     to pay use it, :func:`flashattn.backward.worth_a_second_stream`) or always after it;
     ``row_stats_in_dq`` lets the portable dQ kernel, where it runs on the current stream, go first and
     compute delta and the base-2 LSE itself, in place of the preprocess kernel's launch; ``gluon``
-    lets the Hopper kernels in Gluon replace the portable ones where :func:`gluon_kernel` says so.
+    lets the Hopper kernels in Gluon replace the portable ones where :func:`gluon_kernel` says so;
+    ``sm_margin`` is how many SMs a persistent launch (one CTA per SM) leaves free.
     """
 
     configs: dict = field(default_factory=dict)
@@ -188,10 +190,11 @@ class Tuning:
     overlap_dq: bool = True
     gluon: bool = True  # the Hopper kernels in Gluon where they apply (:func:`gluon_kernel`)
     row_stats_in_dq: bool = True
+    sm_margin: int = 0
 
 
-_DEFAULT_TUNING = Tuning()
-_TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("flashattn_tuning", default=_DEFAULT_TUNING)
+DEFAULT_TUNING = Tuning()
+_TUNING: contextvars.ContextVar[Tuning] = contextvars.ContextVar("flashattn_tuning", default=DEFAULT_TUNING)
 
 
 def current_tuning() -> Tuning:
@@ -200,7 +203,7 @@ def current_tuning() -> Tuning:
 
 def tuning_is_default() -> bool:
     """Whether no :func:`tuning` is in force: the table's choices, cached per problem, apply."""
-    return _TUNING.get() is _DEFAULT_TUNING
+    return _TUNING.get() is DEFAULT_TUNING
 
 
 class tuning_of:
@@ -235,6 +238,29 @@ def tuning(*, fwd: KernelConfig | None = None, bwd_dkdv: KernelConfig | None = N
         yield
     finally:
         _TUNING.reset(token)
+
+
+@contextlib.contextmanager
+def sm_margin(margin: int):
+    """Inside the ``with`` block, persistent launches leave ``margin`` SMs free, so that kernels of other
+    streams (a communication library's, moving data while attention computes) find SMs to run on
+    instead of waiting for the whole launch to end. The other choices stay as they are; launches
+    inside are neither recorded nor replayed (a recipe keeps its grid)."""
+    if margin < 0:
+        raise ValueError(f"sm_margin must be >= 0, got {margin}")
+    if margin == 0:
+        yield
+        return
+    token = _TUNING.set(dataclasses.replace(_TUNING.get(), sm_margin=int(margin)))
+    try:
+        yield
+    finally:
+        _TUNING.reset(token)
+
+
+def persistent_ctas(tiles: int, device_index: int) -> int:
+    """CTAs of a persistent launch over ``tiles`` tiles: one per SM, less the :func:`sm_margin` in force."""
+    return min(tiles, max(1, _sm_count(device_index) - current_tuning().sm_margin))
 
 
 # --8<-- [start:gluon-dispatch]
@@ -473,7 +499,7 @@ def plan(kernel: str, problem: Problem, device: torch.device, launch) -> Plan:
     choose afresh every time.
     """
     key = (kernel, problem, device.index)
-    cacheable = current_tuning() is _DEFAULT_TUNING
+    cacheable = current_tuning() is DEFAULT_TUNING
     if cacheable:
         found = _PLANS.get(key)
         if found is not None:

@@ -12,7 +12,7 @@ import numbers
 import torch
 
 from flashattn._memo import remember, table
-from flashattn.autograd import KERNEL_DTYPES, AttentionFunction, attention_apply, use_kernels
+from flashattn.autograd import KERNEL_DTYPES, attend, use_kernels
 from flashattn.problem import Problem
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -360,9 +360,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         if sinks is not None:
             check_sinks(q, problem.heads_q, sinks)
             args += (None, None, sinks)
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or (sinks is not None and sinks.requires_grad)):
-            o, lse = attention_apply(*args)
-        else:
-            o, lse = AttentionFunction.run_forward(*args)
+        o, lse = attend(*args)
     return (o, lse) if return_lse else o

@@ -482,6 +482,25 @@ def _second_stream(q: torch.Tensor, problem: Problem) -> torch.cuda.Stream | Non
     return _SIDE_STREAMS[q.device]
 
 
+def backward_key(do, q, k, v, o, lse, problem: Problem, dlse, alibi_slopes, side) -> tuple | None:
+    """The key of a :func:`launch_backward` call (None: never replayed). A repeated call replays the
+    first one's launches with its own tensors (as in the forward, :func:`flashattn.forward.forward_key`),
+    the stream switches of dQ's second stream ``side`` (large problems only) included."""
+    if problem.varlen or type(q) is not torch.Tensor:  # a subclass: the full path
+        return None
+    return (problem, q.device, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(), lse.stride(),
+            dlse is not None and dlse.stride(), alibi_slopes is not None and alibi_slopes.dim(),
+            (k is q, v is q, v is k), side is not None)
+
+
+def replay_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0):
+    """``(dq, dk, dv)`` of :func:`launch_backward` (no sinks) from the recipe an earlier call with this key
+    left, or None where there is none: the caller made q's device the current one and runs the dense kernels."""
+    key = backward_key(do, q, k, v, o, lse, problem, dlse, alibi_slopes, _second_stream(q, problem))
+    replayed = replay(key, (do, q, k, v, o, lse, dlse, alibi_slopes, None), seed_halves(problem, seed))
+    return None if replayed is None else replayed[:3]
+
+
 # --8<-- [start:bwd-launch]
 def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slopes=None, seed: int = 0,
                     packing=None, sinks=None):
@@ -501,13 +520,8 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
                                 alibi_slopes, seed, packing, sinks)
         return (*(g.to(q.dtype) for g in grads[:3]), *grads[3:])
     p = problem
-    # A repeated call replays the first one's launches with its own tensors (as in the forward),
-    # the stream switches of dQ's second stream (large problems only) included.
     side = _second_stream(q, p)
-    key = None if p.varlen or type(q) is not torch.Tensor else (  # a subclass: the full path (forward.py)
-        p, q.device, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(), lse.stride(),
-        dlse is not None and dlse.stride(), alibi_slopes is not None and alibi_slopes.dim(),
-        (k is q, v is q, v is k), side is not None)
+    key = backward_key(do, q, k, v, o, lse, p, dlse, alibi_slopes, side)
     inputs, free = (do, q, k, v, o, lse, dlse, alibi_slopes, sinks), seed_halves(p, seed)
     replayed = replay(key, inputs, free)
     if replayed is not None:

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from flashattn import _config
+from flashattn._memo import remember, table
 from flashattn.device_helpers import LN2
 from flashattn.device_helpers import clamp as _clamp
 from flashattn.device_helpers import decode_split_range as _decode_split_range
@@ -318,8 +319,8 @@ def _decode_merge_kernel(
 _INTERPRETER_BLOCK_M, _INTERPRETER_BLOCK_N = 16, 16
 _INTERPRETER_SPLITS = 3  # fixed, so that the tests walk several splits, some of them empty
 MAX_SPLITS = 128
-PROGRAMS_PER_SM = 4  # split until the grid holds about this many programs per SM ...
-MIN_BLOCKS_PER_SPLIT = 4  # ... but give each split at least this many key blocks
+PROGRAMS_PER_SM = 1  # split until the grid holds about this many programs per SM (one wave) ...
+MIN_BLOCKS_PER_SPLIT = 2  # ... but give each split at least this many key blocks
 
 
 def decode_config(rows: int, block_d: int, device: torch.device) -> _config.KernelConfig:
@@ -339,8 +340,8 @@ def choose_num_splits(programs: int, max_keys: int, block_n: int, device: torch.
     """How many splits share the keys of one tile, from the problem size and the SM count.
 
     ``programs`` is the grid without splits (B * Hkv * query tiles) and ``max_keys`` the most keys a
-    sequence can have. Enough splits to give every SM about ``PROGRAMS_PER_SM`` programs, so that
-    several tiles per SM keep their loads in flight, but at most one split per
+    sequence can have. Enough splits to give every SM about ``PROGRAMS_PER_SM`` programs (one wave:
+    a tile's loads are deep enough to keep its SM busy, and a second wave would start late), but at most one split per
     ``MIN_BLOCKS_PER_SPLIT`` key blocks of ``max_keys``, where the merge would cost more than the
     split saves. Splits take runs of ``ceil(blocks / splits)`` blocks, so the last can be shorter, or
     empty.
@@ -352,6 +353,9 @@ def choose_num_splits(programs: int, max_keys: int, block_n: int, device: torch.
     longest = ceil_div(max_keys, block_n) // MIN_BLOCKS_PER_SPLIT
     return max(1, min(wanted, longest, MAX_SPLITS))
 # --8<-- [end:decode-num-splits]
+
+
+_PLANS = table("decode.plans")  # (rows, block_d, B * Hkv, max_keys, num_splits asked, device) -> (cfg, tiles, splits)
 
 
 def _scratch(shape, device) -> torch.Tensor:
@@ -393,13 +397,18 @@ def launch_decode(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, prob
     group = h_q // h_kv
     rows = group * n_q
     block_d = _head_dim_block(d)
-    cfg = decode_config(rows, block_d, q.device)
-    tiles = ceil_div(rows, cfg.block_m)
-    if tiles > 65535:
-        raise ValueError(f"q has too many queries for one call: Nq * Hq / Hkv = {rows} packed rows "
-                         f"need {tiles} tiles of {cfg.block_m}, at most 65535")
-    if num_splits is None:
-        num_splits = choose_num_splits(batch * h_kv * tiles, max_keys, cfg.block_n, q.device)
+    # the tile and the split count, worked out once per shape (a decoding step is short: it feels each)
+    plan_key = (rows, block_d, batch * h_kv, max_keys, num_splits, q.device)
+    plan = _PLANS.get(plan_key)
+    if plan is None:
+        cfg = decode_config(rows, block_d, q.device)
+        tiles = ceil_div(rows, cfg.block_m)
+        if tiles > 65535:
+            raise ValueError(f"q has too many queries for one call: Nq * Hq / Hkv = {rows} packed rows "
+                             f"need {tiles} tiles of {cfg.block_m}, at most 65535")
+        splits = num_splits or choose_num_splits(batch * h_kv * tiles, max_keys, cfg.block_n, q.device)
+        plan = remember(_PLANS, plan_key, (cfg, tiles, splits))
+    cfg, tiles, num_splits = plan
     paged = block_table is not None
     # A step whose shapes, layouts and split count repeat an earlier one's replays that step's
     # launches with its own tensors (flashattn.launch.Recipe), as the attention launchers do; an int

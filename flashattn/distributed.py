@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from flashattn import _config
 from flashattn.api import _check_inputs, attention, check_flag, check_variants, is_int
 from flashattn.varlen import attention_varlen
 from flashattn.autograd import backend, not_twice, use_kernels
@@ -313,10 +314,16 @@ def merge_pair(o, lse, o_part, lse_part):
 # --------------------------------------------------------------------------------------------------
 # communication
 # --------------------------------------------------------------------------------------------------
-def _ring_peers(group) -> tuple[int, int, int, int]:
-    """(rank in group, group size, global rank of the next rank, global rank of the previous one)."""
+def _group_ranks(group) -> tuple[int, int, list[int]]:
+    """(rank in group, group size, the global rank of each rank of the group)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     ranks = list(range(world)) if group is None or group is dist.group.WORLD else dist.get_process_group_ranks(group)
+    return rank, world, ranks
+
+
+def _ring_peers(group) -> tuple[int, int, int, int]:
+    """(rank in group, group size, global rank of the next rank, global rank of the previous one)."""
+    rank, world, ranks = _group_ranks(group)
     return rank, world, ranks[(rank + 1) % world], ranks[(rank - 1) % world]
 
 
@@ -324,6 +331,32 @@ def _pass_on(send: torch.Tensor, recv: torch.Tensor, next_rank: int, prev_rank: 
     """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""
     ops = [dist.P2POp(dist.isend, send, next_rank, group), dist.P2POp(dist.irecv, recv, prev_rank, group)]
     return dist.batch_isend_irecv(ops)
+
+
+# Groups up to this size fetch the forward's key/value shards straight from their owners, all at the
+# start; larger ones pass them along the ring, one step at a time.
+DIRECT_FETCH_MAX_WORLD = 8
+# SMs the forward's persistent kernels leave free while exchanges are in flight, for NCCL's kernels
+# (flashattn._config.sm_margin); 0 leaves every SM to attention.
+EXCHANGE_SM_MARGIN = 16
+
+
+def _fetch_all(kv: torch.Tensor, group) -> list:
+    """Start the forward's exchanges at once: at step s (1 .. R - 1) this rank needs the shard of rank
+    r - s and rank r + s needs this one, so every rank sends its own shard to each other rank and
+    receives theirs, in the steps' order. ``[(shard, works)]`` per step, step 0 being ``kv`` itself.
+
+    The ring passes shards along one step at a time, and each exchange waits for the step before it.
+    When the compute kernels of a step hold every SM, the exchange then runs late, so it shows up
+    between steps; started together before the first step, with only this rank's own shard to send,
+    the exchanges overlap the first step's compute. The price is memory: R - 1 shards in hand at
+    once instead of two."""
+    rank, world, ranks = _group_ranks(group)
+    fetched = [(kv, [])]
+    for step in range(1, world):
+        recv = torch.empty_like(kv)
+        fetched.append((recv, _pass_on(kv, recv, ranks[(rank + step) % world], ranks[(rank - step) % world], group)))
+    return fetched
 
 
 def _wait(works) -> None:
@@ -344,19 +377,27 @@ def _ring_forward(q, k, v, causal: bool, scale: float, layout: str, group, windo
     kv = torch.stack((k, v))  # (2, B, Hkv, n, D): one message per step
     o = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=_acc_dtype(q), device=q.device)  # empty so far
+    fetched = _fetch_all(kv, group) if world <= DIRECT_FETCH_MAX_WORLD else None
     for step in range(world):
         source = (rank - step) % world  # whose key/value shard is in hand
         works, kv_next = [], None
-        if step + 1 < world:  # the next shard travels while this one is used
+        if fetched is not None:  # all exchanges started at once: wait for this step's shard alone
+            (kv, arrival), fetched[step] = fetched[step], None
+            _wait(arrival)
+        elif step + 1 < world:  # the next shard travels while this one is used
             kv_next = torch.empty_like(kv)
             works = _pass_on(kv, kv_next, next_rank, prev_rank, group)
-        for plan in ring_pieces(rank, source, world, n, causal, layout, window, documents):
-            rows, cols = plan.rows, plan.cols
-            o_part, lse_part = _local_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], plan.causal, scale,
-                                              plan.window, plan.documents)
-            o[:, :, rows], lse[:, :, rows] = merge_pair(o[:, :, rows], lse[:, :, rows], o_part, lse_part)
-        _wait(works)
-        kv = kv_next
+        # exchanges in flight: the first step's (all of them, fetched directly) or the next shard's
+        in_flight = world > 1 and q.is_cuda and (step == 0 if fetched is not None else step + 1 < world)
+        with _config.sm_margin(EXCHANGE_SM_MARGIN if in_flight else 0):
+            for plan in ring_pieces(rank, source, world, n, causal, layout, window, documents):
+                rows, cols = plan.rows, plan.cols
+                o_part, lse_part = _local_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], plan.causal,
+                                                  scale, plan.window, plan.documents)
+                o[:, :, rows], lse[:, :, rows] = merge_pair(o[:, :, rows], lse[:, :, rows], o_part, lse_part)
+        if fetched is None:
+            _wait(works)
+            kv = kv_next
     return o.to(q.dtype), lse
 # --8<-- [end:ring-forward]
 

@@ -241,6 +241,25 @@ def _attn_fwd_kernel(
 # --8<-- [end:fwd-kernel]
 
 
+def forward_key(q, k, v, problem: Problem, alibi_slopes=None):
+    """The key of a :func:`launch_forward` call, or None for one that is never replayed. A call with
+    the key of an earlier one (the problem, device, layouts, which of q, k, v are one tensor, as in
+    self-attention of x with itself) repeats that call's launches with its own tensors: no config
+    lookup, descriptor object or argument binding (flashattn.launch.Recipe). A tensor subclass takes
+    the full path: its outputs are of the subclass (empty_like), a replay's are not."""
+    if problem.varlen or type(q) is not torch.Tensor:
+        return None
+    return (problem, q.device, q.stride(), k.stride(), v.stride(), alibi_slopes is not None and alibi_slopes.dim(),
+            (k is q, v is q, v is k))
+
+
+def replay_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, sinks=None):
+    """``(o, lse)`` of :func:`launch_forward` from the recipe an earlier call with this key left, or None
+    where there is none: the caller made q's device the current one and runs the dense kernels."""
+    return replay(forward_key(q, k, v, problem, alibi_slopes), (q, k, v, alibi_slopes, sinks),
+                  seed_halves(problem, seed))
+
+
 # --8<-- [start:fwd-launch]
 def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem,
                    alibi_slopes: torch.Tensor | None = None, seed: int = 0, packing=None, sinks=None):
@@ -258,13 +277,7 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: P
         o, lse = launch_forward(q.float(), k.float(), v.float(), problem, alibi_slopes, seed, packing, sinks)
         return o.to(q.dtype), lse
     p = problem
-    # A call with the key of an earlier one (the problem, device, layouts, which of q, k, v are one
-    # tensor, as in self-attention of x with itself) repeats that call's launches
-    # with its own tensors: no config lookup, descriptor object or argument binding (flashattn.launch.Recipe).
-    # A tensor subclass takes the full path: its outputs are of the subclass (empty_like), a replay's are not.
-    key = None if p.varlen or type(q) is not torch.Tensor else (
-        p, q.device, q.stride(), k.stride(), v.stride(), alibi_slopes is not None and alibi_slopes.dim(),
-        (k is q, v is q, v is k))
+    key = forward_key(q, k, v, p, alibi_slopes)
     inputs, free = (q, k, v, alibi_slopes, sinks), seed_halves(p, seed)
     replayed = replay(key, inputs, free)
     if replayed is not None:

@@ -81,6 +81,9 @@ class Problem:
         plain = not (self.window is not None or self.softcap or self.alibi or self.dropout_p or self.head_dim_v)
         object.__setattr__(self, "_split_kv", self.layout == "dense" and plain and not self.empty and self.scale >= 0
                            and split_kv_wins(self.n, self.m, self.batch * self.heads_kv))
+        # the dense forward and backward launchers run it (not packed, empty or split-KV): what the
+        # autograd layer's replay of a repeated call (flashattn.autograd.run_forward) checks first
+        object.__setattr__(self, "dense_kernels", self.layout == "dense" and not self.empty and not self._split_kv)
 
     def __hash__(self) -> int:
         return self._hash

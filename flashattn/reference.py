@@ -242,6 +242,16 @@ class _Mods:
         return dropout_keep_at(self.seed, self.i_bh, rows, cols, self.dropout_p)
 
 
+def _tile_setup(q, k, causal, scale, window, softcap, alibi_slopes, dropout_p, seed, batch_offset):
+    """What both tile-by-tile loops start from: the scale (1/sqrt(D) by default), the accumulation dtype,
+    the variants' score modifications (:class:`_Mods`) and the window as the kernels take it."""
+    (_, _, n, d), (h_kv, m) = q.shape, k.shape[1:3]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    acc_dtype = _acc_dtype(q)
+    mods = _Mods(q, h_kv, n, m, scale, acc_dtype, softcap, alibi_slopes, dropout_p, seed, batch_offset)
+    return scale, acc_dtype, mods, _kernel_window(n, m, causal, window)
+
+
 def _kernel_window(n, m, causal, window):
     """The kernels' (left, right) of a user window, or None where it hides nothing causal does not."""
     if window is None:
@@ -275,10 +285,8 @@ def online_forward(q, k, v, causal: bool = False, scale: float | None = None, bl
     """
     b, h_q, n, d = q.shape
     h_kv, m = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    acc_dtype = _acc_dtype(q)
-    mods = _Mods(q, h_kv, n, m, scale, acc_dtype, softcap, alibi_slopes, dropout_p, seed, batch_offset)
-    win = _kernel_window(n, m, causal, window)
+    scale, acc_dtype, mods, win = _tile_setup(q, k, causal, scale, window, softcap, alibi_slopes, dropout_p, seed,
+                                              batch_offset)
     qg = _group(q, h_kv).to(acc_dtype)  # (B, Hkv, G, N, D)
     kf, vf = k.unsqueeze(2).to(acc_dtype), v.unsqueeze(2).to(acc_dtype)  # (B, Hkv, 1, M, D)
     d_v = v.shape[-1]  # D unless the head dims are split
@@ -340,10 +348,8 @@ def online_backward(
     """
     b, h_q, n, d = q.shape
     h_kv, m = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    acc_dtype = _acc_dtype(q)
-    mods = _Mods(q, h_kv, n, m, scale, acc_dtype, softcap, alibi_slopes, dropout_p, seed, batch_offset)
-    win = _kernel_window(n, m, causal, window)
+    scale, acc_dtype, mods, win = _tile_setup(q, k, causal, scale, window, softcap, alibi_slopes, dropout_p, seed,
+                                              batch_offset)
     inv_keep = 1.0 / (1.0 - dropout_p)
     qg, dog, og = (_group(x, h_kv).to(acc_dtype) for x in (q, do, o))  # (B, Hkv, G, N, D)
     kf, vf = k.unsqueeze(2).to(acc_dtype), v.unsqueeze(2).to(acc_dtype)  # (B, Hkv, 1, M, D)

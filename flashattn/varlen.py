@@ -16,7 +16,7 @@ import torch
 
 from flashattn.api import (MAX_HEAD_DIM, MIN_HEAD_DIM, autocast_inputs, check_dropout_source, check_dtype_for_device,
                            check_flag, check_scale, check_sinks, check_tensors, check_variants, dropout_seed, is_int)
-from flashattn.autograd import AttentionFunction, attention_apply, use_kernels
+from flashattn.autograd import attend, use_kernels
 from flashattn.problem import Problem
 
 
@@ -230,9 +230,5 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                                  head_dim_v=v.shape[-1], sinks=sinks is not None)
         args = (q, k, v, problem, use_kernels(q), alibi_slopes, dropout_seed(problem.dropout_p, generator, seed),
                 cu_seqlens_q, cu_seqlens_k, sinks)
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or (sinks is not None and sinks.requires_grad)):
-            o, lse = attention_apply(*args)
-        else:
-            o, lse = AttentionFunction.run_forward(*args)
+        o, lse = attend(*args)
     return (o, lse) if return_lse else o

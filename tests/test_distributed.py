@@ -81,7 +81,10 @@ HYBRID_CASES = {
     "hybrid-width2-documents-causal-zigzag": dict(h_q=4, h_kv=2, d=16, chunk=4, causal=True, layout="zigzag",
                                                   width=2, documents=lambda n: (0, 7, n - 3, n)),
 }
-CHECKS = [*CASES, *ULYSSES_CASES, *HYBRID_CASES, "no-grad", "gather", "odd-zigzag-shard", "shard-length-mismatch",
+# The forward fetches key/value shards straight from their owners in small groups
+# (fd.DIRECT_FETCH_MAX_WORLD); these cases pass them along the ring instead, as larger groups do.
+RELAY_CASES = ["relay-causal-zigzag", "relay-window-causal-zigzag", "relay-documents-causal-zigzag", "relay-plain"]
+CHECKS = [*CASES, *RELAY_CASES, *ULYSSES_CASES, *HYBRID_CASES, "no-grad", "gather", "odd-zigzag-shard", "shard-length-mismatch",
           "subgroup-of-3", "twice", "ulysses-heads-indivisible"]
 
 
@@ -189,6 +192,12 @@ def _max_err(got, want) -> float:
 def _check(name: str, rank: int, world: int):
     if name in CASES:
         return _run_attention(CASES[name], rank, world)
+    if name in RELAY_CASES:
+        before, fd.DIRECT_FETCH_MAX_WORLD = fd.DIRECT_FETCH_MAX_WORLD, 0
+        try:
+            return _run_attention(CASES[name.removeprefix("relay-")], rank, world)
+        finally:
+            fd.DIRECT_FETCH_MAX_WORLD = before
     if name in ULYSSES_CASES:
         return _run_ulysses(ULYSSES_CASES[name], rank, world)
     if name in HYBRID_CASES:
@@ -342,7 +351,7 @@ def _results(world, name: str) -> list:
 # --------------------------------------------------------------------------------------------------
 # the multi-process tests
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *RELAY_CASES])
 def test_ring_attention_matches_full_attention(world, name):
     """Output, LSE and all three gradients of every rank's shard, float64: equal to rounding (1e-12 of
     the largest entry)."""
@@ -688,7 +697,7 @@ GPU_CASES = {
 }
 GPU_DTYPES = ["float16", "bfloat16"]
 GPU_HYBRID_WIDTH = 2  # Ulysses groups of 2: on two GPUs one group (a ring of one), on four a 2 x 2 grid
-GPU_LAUNCH_TIMEOUT_S = 240  # per world, both dtypes; the first world compiles the kernels
+GPU_LAUNCH_TIMEOUT_S = 290  # per world, both dtypes; the first world compiles the kernels
 
 
 def _gpu_grid(rank: int, world: int, width: int):
@@ -839,6 +848,25 @@ def test_benchmark_refuses_strategies_the_heads_do_not_allow():
     assert "must divide" in problem(4, "--strategy", "hybrid", "--heads", "6", "--ulysses-size", "3")
     assert problem(3, "--strategy", "ring", "hybrid", "--heads", "1") is None  # odd P: U = 1, a ring of 3
     assert bench.default_ulysses_size(4) == 2 and bench.default_ulysses_size(8) == 4
+
+
+def test_benchmark_exchange_intervals():
+    """What the exchange profile reports, on made-up kernel timelines (µs): overlapped and exposed
+    exchange, idle gaps, and overlapping kernels of one kind counted once."""
+    from benchmarks import ring as bench
+
+    def stats(kernels):
+        return dict(zip(bench.EXCHANGE_KEYS, (round(x * 1e3, 6) for x in bench.interval_stats(kernels))))
+
+    # compute 0-100 and 150-250; the exchange 50-180 is hidden for 50-100 and 150-180: 50 us exposed
+    timeline = [("attn_fwd", 0, 100), ("ncclDevKernel_SendRecv", 50, 180), ("attn_fwd", 150, 250)]
+    assert stats(timeline) == dict(span_ms=250, compute_ms=200, exchange_ms=130, exposed_exchange_ms=50, idle_ms=0)
+    # two overlapping compute kernels count once; a gap of 20 us with nothing running
+    timeline = [("a", 0, 60), ("b", 40, 100), ("ncclKernel", 120, 130)]
+    assert stats(timeline) == dict(span_ms=130, compute_ms=100, exchange_ms=10, exposed_exchange_ms=10, idle_ms=20)
+    # fully hidden exchange, and the empty timeline
+    assert stats([("k", 0, 100), ("nccl", 10, 90)])["exposed_exchange_ms"] == 0
+    assert stats([]) == dict.fromkeys(bench.EXCHANGE_KEYS, 0)
 
 
 def _dry_run(tmp_path, world: int, *argv) -> dict:

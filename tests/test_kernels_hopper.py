@@ -350,6 +350,51 @@ def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d,
         assert record.counters == [again]  # a recipe made from it makes each replay's own
 
 
+def test_an_sm_margin_leaves_sms_free_in_persistent_walks_only(monkeypatch):
+    """Under ``_config.sm_margin(k)`` a persistent forward launches k CTAs fewer than the SMs (at least
+    one), a launch of one CTA per block is unchanged, and the block is not one a recipe may record."""
+    from flashattn import _config, hopper
+
+    launches = []
+    _stub_gluon_forward_launch(monkeypatch, launches)
+    q, k, v = (torch.randn(32, 8, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
+
+    def grid(**kw):
+        hopper.fwd.forward(q, k, v, True, **kw)
+        return launches[-1][1]
+
+    assert grid() == 132
+    with _config.sm_margin(16):
+        assert not _config.tuning_is_default()
+        assert grid() == 116 and grid(persistent=False) == 2048
+        with _config.sm_margin(500):
+            assert grid() == 1
+    with _config.sm_margin(0):
+        assert _config.tuning_is_default() and grid() == 132
+    assert grid() == 132 and _config.tuning_is_default()
+    with pytest.raises(ValueError, match="sm_margin"):
+        with _config.sm_margin(-1):
+            pass
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_an_sm_margin_changes_no_bit(causal):
+    """The persistent forward with 16 SMs left free gives the bits it gives on every SM (what ring
+    attention's forward runs while its exchanges are in flight)."""
+    from flashattn import hopper
+
+    if not hopper.fwd.available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs the Gluon forward (sm_90)")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(2, 8, 3000, 128, dtype=torch.bfloat16, device="cuda", generator=g) for _ in range(3))
+    o, lse = hopper.fwd.forward(q, k, v, causal)
+    with _config.sm_margin(16):
+        o_m, lse_m = hopper.fwd.forward(q, k, v, causal)
+    assert torch.equal(o, o_m) and torch.equal(lse, lse_m)
+
+
 @pytest.mark.parametrize("which, d", [("dkdv", 128), ("dq", 128), ("dq", 256)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_backward_host_code_launches_one_cta_per_block(monkeypatch, which, d, causal):

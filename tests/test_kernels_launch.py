@@ -12,6 +12,8 @@ several of them with benchmarks.hostcost's no-op launches in place of the GPU's.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -462,22 +464,47 @@ def test_gpu_fast_path_matches_tritons_launch(monkeypatch):
              ((1, 8, 2, 128, 513, 40), dict(causal=True), "bhnd"),
              ((2, 4, 4, 257, 100, 128), dict(window=(32, 8)), "bnhd"),
              ((1, 4, 4, 200, 200, 96), dict(causal=True, dropout_p=0.2, seed=7, softcap=20.0), "bhnd"),
-             ((1, 4, 4, 256, 256, 256), dict(causal=True), "bnhd")]
+             ((1, 4, 4, 256, 256, 256), dict(causal=True), "bnhd"),
+             ((2, 8, 2, 200, 300, 128), dict(causal=True, sinks=torch.randn(8, device="cuda")), "bhnd")]
     for shape, kw, layout in cases:
         q, k, v, do = _inputs(*shape, torch.bfloat16, layout=layout, seed=31)
         runs = []
         for fast in (False, True):
             with launch_mod.fast_path(fast):
-                for _ in range(2):  # the first call of a signature compiles and records, the second replays
+                # the first call of a signature compiles, the second records, the next ones replay (from
+                # the autograd layer, flashattn.autograd.run_forward, with and without grad)
+                for _ in range(4):
                     qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
                     o, lse = flashattn.attention(qq, kk, vv, return_lse=True, **kw)
-                    runs.append((o, lse, *torch.autograd.grad(o, (qq, kk, vv), do)))
+                    with torch.no_grad():
+                        o_ng, lse_ng = flashattn.attention(q, k, v, return_lse=True, **kw)
+                    runs.append((o, lse, *torch.autograd.grad(o, (qq, kk, vv), do), o_ng, lse_ng))
         for run in runs[1:]:
             for a, b in zip(runs[0], run):
                 assert torch.isfinite(a).all() or a.dtype == torch.float32
                 assert torch.equal(a, b)
     if not any(entry[2] is not None for entry in launch_mod._COMPILED.values()):
         pytest.skip("this Triton's launcher is not the one _DirectLaunch was written for: nothing launched directly")
+    # a backward whose forward ran under a pinned tuning takes the pinned tiles, not a recipe of the table's
+    from flashattn import _config
+    from flashattn import backward as backward_mod
+
+    replayed = []
+    real_replay = backward_mod.replay
+    monkeypatch.setattr(backward_mod, "replay", lambda *a: replayed.append(real_replay(*a)) or replayed[-1])
+    q, k, v, do = _inputs(1, 4, 4, 300, 300, 64, torch.float16, seed=5)
+    pinned = _config.KernelConfig(32, 32, 4, 2)
+    grads = []
+    for i, pin in enumerate((False, False, False, True, False)):
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        with _config.tuning(bwd_dkdv=pinned, bwd_dq=pinned) if pin else contextlib.nullcontext():
+            o = flashattn.attention(qq, kk, vv, causal=True)
+        replayed.clear()
+        grads.append(torch.autograd.grad(o, (qq, kk, vv), do))
+        if i >= 2:  # the first call compiles, the second records; then the recipe replays, except under pinned tiles
+            assert any(r is not None for r in replayed) != pin
+    for a, b in zip(grads[0], grads[4]):
+        assert torch.equal(a, b)
     q, k, v, _ = _inputs(1, 4, 4, 128, 128, 64, torch.float16, seed=3)
     assert _launches_a_hook_sees(lambda: flashattn.attention(q, k, v, causal=True)) == 1
 

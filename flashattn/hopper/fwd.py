@@ -241,7 +241,7 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     (:class:`flashattn.launch.Recording`) keeps the launch, and which argument is the tile counter."""
     import torch
 
-    from flashattn._config import _sm_count
+    from flashattn._config import persistent_ctas
     from flashattn.tensors import ceil_div, describable, tile_counter
     from flashattn.constants import LOG2E
 
@@ -273,7 +273,7 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     dynamic = persistent and (default_dynamic if dynamic is None else dynamic)
     assert not (pingpong and persistent), "ping-pong counts its turns within one tile: one tile per CTA"
     tiles = ceil_div(N, BLOCK_M) * B * Hq
-    ctas = min(tiles, _sm_count(q.device.index)) if persistent else tiles
+    ctas = persistent_ctas(tiles, q.device.index) if persistent else tiles
     if not causal:
         section = 1  # the order of equal blocks does not matter: head by head shares K/V in L2
     elif section is None:
