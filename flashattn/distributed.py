@@ -543,6 +543,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     them raises ``RuntimeError``. NCCL with CUDA tensors runs the Triton kernels; gloo with CPU tensors runs
     the PyTorch reference (float16/bfloat16 CPU tensors the kernels under ``TRITON_INTERPRET=1``).
 
+    Memory: in groups of up to ``DIRECT_FETCH_MAX_WORLD`` ranks the forward fetches every other rank's
+    key/value shard at its start, so it holds R - 1 of them at once (the backward, and the forward of
+    larger groups, hold two at a time); set the constant lower to trade that memory for exchanges that
+    wait for each other.
+
     Every rank of the group must make the call, and the backward of its output: the exchanges wait for
     all of them. A rank that raises (on arguments unlike the others') or skips the backward leaves the
     other ranks waiting until the process group's timeout.
