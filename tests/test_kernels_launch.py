@@ -584,3 +584,21 @@ def test_gpu_replayed_calls_match_the_full_path(monkeypatch):
         pytest.skip("this Triton's launcher is not the one _DirectLaunch was written for: nothing replayed")
     with torch.no_grad():
         assert _launches_a_hook_sees(lambda: flashattn.attention(q, k, v, **kw)) == 1
+
+
+def test_the_early_replay_switch_nests_and_restores():
+    """``autograd.early_replay`` (the A/B switch of benchmarks.early_replay_ab): on by default, set inside
+    its block, the outer setting back after it, also when the block raises."""
+    from flashattn import autograd
+
+    assert autograd._EARLY_REPLAY[0]
+    with autograd.early_replay(False):
+        assert not autograd._EARLY_REPLAY[0]
+        with autograd.early_replay(True):
+            assert autograd._EARLY_REPLAY[0]
+        assert not autograd._EARLY_REPLAY[0]
+    assert autograd._EARLY_REPLAY[0]
+    with pytest.raises(RuntimeError):
+        with autograd.early_replay(False):
+            raise RuntimeError("inside")
+    assert autograd._EARLY_REPLAY[0]
