@@ -300,14 +300,29 @@ def merge_pair(o, lse, o_part, lse_part):
     weight is exactly 1 and the two sum to 1 after the division, where weights taken against a rounded
     lse would carry its rounding, a relative error of eps * |lse|, into o.
     """
+    w, w_part, total, pivot = _weights(lse, lse_part)
+    o_new = (w.unsqueeze(-1) * o + w_part.unsqueeze(-1) * o_part) / torch.where(total > 0, total, 1).unsqueeze(-1)
+    return o_new, pivot + torch.log(total)
+
+
+def _weights(lse, lse_part):
+    """``(w, w_part, w + w_part, pivot)``: the two partials' weights against the larger LSE."""
     top = torch.maximum(lse, lse_part)
     # A row empty in both partials keeps lse = -inf; pivoting it at 0 keeps both weights e^(-inf) = 0
     # instead of e^(-inf - (-inf)) = NaN (and then its total 0 gives lse = -inf, o = 0).
     pivot = torch.where(top == float("-inf"), torch.zeros_like(top), top)
     w, w_part = torch.exp(lse - pivot), torch.exp(lse_part - pivot)
-    total = w + w_part
-    o_new = (w.unsqueeze(-1) * o + w_part.unsqueeze(-1) * o_part) / torch.where(total > 0, total, 1).unsqueeze(-1)
-    return o_new, pivot + torch.log(total)
+    return w, w_part, w + w_part, pivot
+
+
+def merge_into(o, lse, o_part, lse_part) -> None:
+    """:func:`merge_pair` written into ``o`` and ``lse`` (views of a float32 running result) in place,
+    as o * (w / total) + o_part * (w_part / total): two passes over o, where merge_pair makes a new
+    tensor per operation and the caller copies the result back."""
+    w, w_part, total, pivot = _weights(lse, lse_part)
+    inv = torch.where(total > 0, total, 1).reciprocal_()
+    o.mul_((w * inv).unsqueeze(-1)).addcmul_(o_part, (w_part * inv).unsqueeze(-1))
+    lse.copy_(pivot + torch.log(total))
 # --8<-- [end:merge]
 
 
@@ -394,7 +409,7 @@ def _ring_forward(q, k, v, causal: bool, scale: float, layout: str, group, windo
                 rows, cols = plan.rows, plan.cols
                 o_part, lse_part = _local_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], plan.causal,
                                                   scale, plan.window, plan.documents)
-                o[:, :, rows], lse[:, :, rows] = merge_pair(o[:, :, rows], lse[:, :, rows], o_part, lse_part)
+                merge_into(o[:, :, rows], lse[:, :, rows], o_part, lse_part)
         if fetched is None:
             _wait(works)
             kv = kv_next
@@ -701,6 +716,6 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulyss
                                                    cu_seqlens=cu_seqlens))
 
 
-__all__ = ["LAYOUTS", "RingStep", "chunk_ids", "gather_sequence", "hybrid_attention", "kv_head_repeats", "merge_pair",
-           "ring_attention", "ring_pieces", "ring_step", "shard_sequence", "shard_sequence_2d", "ulysses_attention",
-           "unshard_sequence"]
+__all__ = ["LAYOUTS", "RingStep", "chunk_ids", "gather_sequence", "hybrid_attention", "kv_head_repeats",
+           "merge_into", "merge_pair", "ring_attention", "ring_pieces", "ring_step", "shard_sequence",
+           "shard_sequence_2d", "ulysses_attention", "unshard_sequence"]

@@ -636,6 +636,28 @@ def test_merge_pair_is_exact_and_handles_empty_partials():
             assert lse_ref == float(lse_m[i]) or math.isclose(lse_ref, float(lse_m[i]), rel_tol=1e-14)
 
 
+def test_merge_into_writes_merge_pair_in_place():
+    """The ring forward's in-place merge gives merge_pair's result to float32 rounding, into views of a
+    larger running result (rows of it, as the ring's zig-zag pieces are), empty rows and large LSEs
+    included, and leaves the other rows alone."""
+    g = torch.Generator().manual_seed(3)
+    o = torch.randn(2, 3, 40, 8, generator=g)
+    lse = 50.0 * torch.randn(2, 3, 40, generator=g)
+    lse[0, 0, 10:13] = float("-inf")  # rows empty in the running result
+    o_part = torch.randn(2, 3, 20, 8, generator=g).to(torch.bfloat16)
+    lse_part = 50.0 * torch.randn(2, 3, 20, generator=g)
+    lse_part[0, 0, 0:2] = float("-inf")  # rows 10, 11 empty in both, 12 only in the running result
+    want_o, want_lse = fd.merge_pair(o[:, :, 10:30], lse[:, :, 10:30], o_part.float(), lse_part)
+    before_o, before_lse = o.clone(), lse.clone()
+    fd.merge_into(o[:, :, 10:30], lse[:, :, 10:30], o_part, lse_part)
+    torch.testing.assert_close(o[:, :, 10:30], want_o, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse[:, :, 10:30], want_lse)
+    assert torch.equal(o[:, :, :10], before_o[:, :, :10]) and torch.equal(o[:, :, 30:], before_o[:, :, 30:])
+    assert torch.equal(lse[:, :, :10], before_lse[:, :, :10]) and torch.equal(lse[:, :, 30:], before_lse[:, :, 30:])
+    assert torch.all(o[0, 0, 10:12] == 0) and torch.all(lse[0, 0, 10:12] == float("-inf"))
+    assert torch.isfinite(o).all()
+
+
 def test_merge_pair_in_float32_does_not_lose_digits_to_a_large_lse():
     """In float32, with row LSEs near 1000 (scores of that size) and one partial dominating, the merge
     stays within a few ulps of the float64 merge of the same float32 partials: weights taken against
