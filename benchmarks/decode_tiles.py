@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         rows.append(row)
         with open(f"{out}/decode_sweep.json", "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
-        del q, k, v
+        q = k = v = None  # the next shape allocates its own
         torch.cuda.empty_cache()
     return 0
 
