@@ -63,10 +63,10 @@ PROVIDERS = ("flashattn", "flashattn_int", "sdpa_flash", "sdpa_cudnn", "flex")
 OPTIONAL = ("flashattn_dense", "sdpa_efficient")  # asked for by name (--providers)
 
 
-def _bench(fn) -> float:
+def _bench(fn, rep: int = 100) -> float:
     from triton.testing import do_bench
 
-    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    return float(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
 
 
 def copy_bandwidth(device) -> float:
@@ -77,7 +77,7 @@ def copy_bandwidth(device) -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
-def _graph_bench(fn) -> float:
+def _graph_bench(fn, rep: int = 100) -> float:
     """do_bench of ``fn`` captured once in a CUDA graph: the GPU time of the call, without its host work."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -88,7 +88,7 @@ def _graph_bench(fn) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return _bench(graph.replay)
+    return _bench(graph.replay, rep)
 
 
 def make_inputs(batch, m, n_q, device, seed=0, heads=(H_Q, H_KV), dtype=DTYPE):

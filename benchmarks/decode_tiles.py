@@ -18,9 +18,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.testing import do_bench
 
 import flashattn
+from benchmarks.decode import _bench, _graph_bench
 from flashattn import _config, _memo, decode_kernels
 from flashattn.tensors import ceil_div
 
@@ -34,20 +34,13 @@ SHAPES = [(1, 4096, 1, 32, 8), (1, 16384, 1, 32, 8), (1, 65536, 1, 32, 8), (1, 1
 
 
 def bench(fn, rep=25):
-    return float(do_bench(fn, warmup=5, rep=rep, return_mode="median")) * 1e3
+    """µs of ``fn()`` (median of do_bench), shorter repetitions than the decoding table's."""
+    return 1e3 * _bench(fn, rep)
 
 
 def graph_us(fn, rep=25):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return bench(graph.replay, rep)
+    """µs of ``fn()`` replayed from a CUDA graph: its GPU time alone."""
+    return 1e3 * _graph_bench(fn, rep)
 
 
 def use(tile, rule, sm_count):

@@ -201,10 +201,10 @@ def interval_stats(kernels: list[tuple[str, float, float]]) -> tuple[float, ...]
         return (0.0,) * len(EXCHANGE_KEYS)
     nccl = union([(a, b) for name, a, b in kernels if "nccl" in name.lower()])
     compute = union([(a, b) for name, a, b in kernels if "nccl" not in name.lower()])
-    busy = union([(a, b) for _, a, b in kernels])
     overlap = sum(max(0.0, min(b, d) - max(a, c)) for a, b in nccl for c, d in compute)  # both lists are disjoint
     span = max(b for _, _, b in kernels) - min(a for _, a, _ in kernels)
-    return tuple(x / 1e3 for x in (span, length(compute), length(nccl), length(nccl) - overlap, span - length(busy)))
+    busy = length(compute) + length(nccl) - overlap  # some kernel runs
+    return tuple(x / 1e3 for x in (span, length(compute), length(nccl), length(nccl) - overlap, span - busy))
 
 
 _PROFILER_STARTED: list = []
@@ -238,10 +238,7 @@ def gather_rows(values: tuple[float, ...], device) -> list[list[float]]:
 
 
 def gather_floats(x: float, device) -> list[float]:
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return [float(o.item()) for o in out]
+    return [row[0] for row in gather_rows((x,), device)]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -127,7 +127,7 @@ _SM90_DROPOUT = {
 # of a sweep on a pack of short and long sequences
 # (docs/kernels/tuning-log.md#packed-sequences-take-the-same-dkdv-tile-issue-49).
 _SM90_PACKED = {
-    ("bwd_dkdv", 128): KernelConfig(32, 64, 4, 3),
+    ("bwd_dkdv", 128): _SM90_WINDOW[("bwd_dkdv", 128)],
 }
 
 
@@ -313,6 +313,12 @@ def gluon_kernel(kernel: str, problem: Problem, device: torch.device) -> bool:
             and _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)))
     return found
 # --8<-- [end:gluon-dispatch]
+
+
+def current_device() -> int:
+    """The current CUDA device's index (torch.cuda.current_device without its lazy-init check)."""
+    get = getattr(torch._C, "_cuda_getDevice", None)
+    return get() if get is not None else torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=None)

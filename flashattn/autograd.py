@@ -75,7 +75,6 @@ def _reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_
 
 
 _LAUNCHERS: list = []  # [forward, backward, decode_kernels, tensors] once imported
-_device_now = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device  # the current CUDA device
 _EARLY_REPLAY = [True]
 
 
@@ -89,6 +88,13 @@ def early_replay(enabled: bool):
         yield
     finally:
         _EARLY_REPLAY[0] = before
+
+
+def _replayable(q, problem: Problem, use_kernels: bool) -> bool:
+    """Whether a call may go straight to the recipe its first calls left (flashattn.launch.replay): the
+    dense kernels run it, on q's device, which is the current one (no device guard needed)."""
+    return (use_kernels and problem.dense_kernels and _EARLY_REPLAY[0] and q.is_cuda
+            and q.get_device() == _config.current_device())
 
 
 def launchers():
@@ -283,10 +289,8 @@ class AttentionFunction(torch.autograd.Function):
         :meth:`forward` runs, without the autograd bookkeeping."""
         if sinks is not None:
             sinks = sinks.detach().contiguous()
-        if (use_kernels and problem.dense_kernels and _EARLY_REPLAY[0] and q.is_cuda
-                and q.get_device() == _device_now()):
-            # A repeated call on the current device goes straight to the recipe its first calls left
-            # (flashattn.launch.replay): the backend's layers cost a short call microseconds.
+        if _replayable(q, problem, use_kernels):
+            # past the backend's layers, which cost a short call microseconds
             replayed = launchers()[0].replay_forward(q, k, v, problem, alibi_slopes, seed, sinks)
             if replayed is not None:
                 return replayed
@@ -315,8 +319,7 @@ class AttentionFunction(torch.autograd.Function):
         alibi_slopes, cu_q, cu_k, sinks = extras if extras else (None, None, None, None)
         if do is None:  # only the LSE was used
             do = torch.zeros_like(o)
-        if (use_kernels and not extras and problem.dense_kernels and _EARLY_REPLAY[0] and tuning is _config.DEFAULT_TUNING
-                and q.is_cuda and q.get_device() == _device_now()):
+        if not extras and tuning is _config.DEFAULT_TUNING and _replayable(q, problem, use_kernels):
             # a repeated call's recipe, as in run_forward (not under a tuning the forward pinned)
             grads = launchers()[1].replay_backward(do, q, k, v, o, lse, problem, dlse, None, seed)
             if grads is not None:

@@ -497,6 +497,13 @@ def _check_ring_inputs(q, k, v, causal, scale, layout, group, what: str = "ring_
         raise ValueError("q, k, v are CUDA tensors but the process group uses gloo; use the NCCL backend")
 
 
+def _check_sequence_variants(q: torch.Tensor, group, window, cu_seqlens) -> tuple:
+    """``(window, documents)`` over the full sequence, checked: the window as :func:`flashattn.attention`
+    takes it, the documents by :func:`_check_documents`."""
+    window, _ = check_variants(q, q.shape[0], q.shape[1], window, None, None, 0.0)
+    return window, _check_documents(cu_seqlens, q, dist.get_world_size(group), window)
+
+
 def _check_documents(cu_seqlens, q: torch.Tensor, world: int, window) -> tuple | None:
     """The documents' cumulative lengths as a tuple of ints 0 < ... < N (empty documents dropped), or
     None; raises on anything else."""
@@ -569,8 +576,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     """
     _check_ring_inputs(q, k, v, causal, scale, layout, group)
     check_flag("return_lse", return_lse)
-    window, _ = check_variants(q, q.shape[0], q.shape[1], window, None, None, 0.0)
-    documents = _check_documents(cu_seqlens, q, dist.get_world_size(group), window)
+    window, documents = _check_sequence_variants(q, group, window, cu_seqlens)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     o, lse = RingAttentionFunction.apply(q, k, v, causal, scale, layout, group, window, documents)
     return (o, lse) if return_lse else o
@@ -646,8 +652,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     """
     _check_ring_inputs(q, k, v, causal, scale, layout, group, what="ulysses_attention")
     check_flag("return_lse", return_lse)
-    window, _ = check_variants(q, q.shape[0], q.shape[1], window, None, None, 0.0)
-    documents = _check_documents(cu_seqlens, q, dist.get_world_size(group), window)
+    window, documents = _check_sequence_variants(q, group, window, cu_seqlens)
     if documents is None:
         attend = lambda *qkv: attention(*qkv, causal=causal, scale=scale, return_lse=True, window=window)  # noqa: E731
     else:

@@ -238,7 +238,8 @@ def test_interpreter_variants_match_float64(name, causal, options):
 @cpu_only
 @pytest.mark.parametrize("causal,window", [(False, (6, 3)), (True, (9, 0))], ids=["window", "window-causal"])
 def test_interpreter_windows_at_a_wide_head_dim(causal, window):
-    """From D = 128 up (BLOCK_D, D padded) the backward walks a window in one masked loop: packed, D = 80."""
+    """A window with the head dim padded to BLOCK_D = 128 (D = 80), where the backward takes the window's
+    own tiles: packed."""
     lens_q, lens_k = [5, 0, 40, 1, 33], [7, 3, 40, 0, 20]
     _check(lens_q, lens_k, 4, 2, 80, causal, torch.float16, std=2.0, variants=dict(window=window))
 
