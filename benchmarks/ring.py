@@ -88,10 +88,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-torch-cp", action="store_true", help="skip PyTorch's context_parallel")
     p.add_argument("--no-single-gpu", action="store_true",
                    help="skip the single-GPU baseline (no fraction of one GPU's throughput is reported)")
-    p.add_argument("--ring-fetch", choices=["direct", "relay"], default=None,
-                   help="the ring forward's key/value exchange: every shard fetched from its owner at the start "
-                        "(direct), or passed along the ring step by step (relay); default: the package's choice "
-                        "for the group size (flashattn.distributed.DIRECT_FETCH_MAX_WORLD)")
+    p.add_argument("--ring-fetch", choices=["all-gather", "send-recv", "relay"], default=None,
+                   help="the ring forward's key/value exchange: every shard fetched at the start by one all-gather "
+                        "or by send/receive pairs with its owner, or passed along the ring step by step (relay); "
+                        "default: the package's choice for the group size (flashattn.distributed."
+                        "DIRECT_FETCH_MAX_WORLD, DIRECT_FETCH_BY)")
     p.add_argument("--sm-margin", type=int, default=None,
                    help="SMs the ring forward's persistent kernels leave to NCCL while exchanges are in flight "
                         "(default: flashattn.distributed.EXCHANGE_SM_MARGIN)")
@@ -111,9 +112,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--sm-margin must be >= 0")
     if args.ulysses_size is not None and args.ulysses_size < 1:
         p.error("--ulysses-size must be >= 1")
-    for name in ("heads", "kv_heads", "head_dim", "batch", "warmup", "reps"):
+    for name in ("heads", "kv_heads", "head_dim", "batch", "reps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:  # 0: the first call is timed (at millions of tokens, where one call takes a minute)
+        p.error("--warmup must be >= 0")
     if args.heads % args.kv_heads:
         p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     if any(n < 2 for n in args.lengths):
@@ -520,7 +523,9 @@ def _attempt(device, fn, *args) -> dict:
 
 def run(args) -> dict:
     if args.ring_fetch is not None:
-        fd.DIRECT_FETCH_MAX_WORLD = 1 << 30 if args.ring_fetch == "direct" else 0
+        fd.DIRECT_FETCH_MAX_WORLD = 0 if args.ring_fetch == "relay" else 1 << 30
+        if args.ring_fetch != "relay":
+            fd.DIRECT_FETCH_BY = args.ring_fetch.replace("-", "_")
     if args.sm_margin is not None:
         fd.EXCHANGE_SM_MARGIN = args.sm_margin
     device = init(args.dry_run)
@@ -536,7 +541,7 @@ def run(args) -> dict:
             grid = make_grid(world, rank, args.ulysses_size)
         payload = {"environment": environment(device),
                    "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                   "ring_fetch": "direct" if world <= fd.DIRECT_FETCH_MAX_WORLD else "relay",
+                   "ring_fetch": fd.DIRECT_FETCH_BY.replace("_", "-") if world <= fd.DIRECT_FETCH_MAX_WORLD else "relay",
                    "sm_margin": fd.EXCHANGE_SM_MARGIN,
                    "methods": {"timing": TIMING_HOW.format(warmup=args.warmup, reps=args.reps),
                                "baseline": BASELINE_HOW,

@@ -342,18 +342,21 @@ def _ring_peers(group) -> tuple[int, int, int, int]:
     return rank, world, ranks[(rank + 1) % world], ranks[(rank - 1) % world]
 
 
-def _pass_on(send: torch.Tensor, recv: torch.Tensor, next_rank: int, prev_rank: int, group):
-    """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""
-    ops = [dist.P2POp(dist.isend, send, next_rank, group), dist.P2POp(dist.irecv, recv, prev_rank, group)]
+def _pass_on(send: torch.Tensor, recv: torch.Tensor, to_rank: int, from_rank: int, group):
+    """Start sending ``send`` to global rank ``to_rank`` and receiving ``recv`` from ``from_rank``."""
+    ops = [dist.P2POp(dist.isend, send, to_rank, group), dist.P2POp(dist.irecv, recv, from_rank, group)]
     return dist.batch_isend_irecv(ops)
 
 
 # Groups up to this size fetch the forward's key/value shards straight from their owners, all at the
 # start; larger ones pass them along the ring, one step at a time.
 DIRECT_FETCH_MAX_WORLD = 8
+# How that fetch runs: one all-gather ("all_gather") or R - 1 point-to-point exchanges ("send_recv").
+DIRECT_FETCH_BY = "all_gather"
 # SMs the forward's persistent kernels leave free while exchanges are in flight, for NCCL's kernels
-# (flashattn._config.sm_margin); 0 leaves every SM to attention.
-EXCHANGE_SM_MARGIN = 16
+# (flashattn._config.sm_margin); 0 leaves every SM to attention, which measured fastest with the
+# all-gather (docs/kernels/ring.md).
+EXCHANGE_SM_MARGIN = 0
 
 
 def _fetch_all(kv: torch.Tensor, group) -> list:
@@ -364,9 +367,19 @@ def _fetch_all(kv: torch.Tensor, group) -> list:
     The ring passes shards along one step at a time, and each exchange waits for the step before it.
     When the compute kernels of a step hold every SM, the exchange then runs late, so it shows up
     between steps; started together before the first step, with only this rank's own shard to send,
-    the exchanges overlap the first step's compute. The price is memory: R - 1 shards in hand at
-    once instead of two."""
+    the exchanges overlap the first step's compute. ``DIRECT_FETCH_BY`` picks one all-gather of every
+    shard (R shards in hand, this rank's own copied once more) or R - 1 send/receive pairs (R - 1
+    shards in hand); either costs memory against the ring's two."""
     rank, world, ranks = _group_ranks(group)
+    if DIRECT_FETCH_BY == "all_gather":  # one collective; shard i of the result is group rank i's
+        every = torch.empty((world * kv.shape[0], *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        works = [gather(every, kv.contiguous(), group=group, async_op=True)]
+        every = every.view(world, *kv.shape)
+        # waited for once, by step 1 (the steps run in order)
+        return [(kv, [])] + [(every[(rank - step) % world], works if step == 1 else []) for step in range(1, world)]
+    if DIRECT_FETCH_BY != "send_recv":
+        raise ValueError(f"DIRECT_FETCH_BY is {DIRECT_FETCH_BY!r}; expected 'all_gather' or 'send_recv'")
     fetched = [(kv, [])]
     for step in range(1, world):
         recv = torch.empty_like(kv)
@@ -420,17 +433,12 @@ def _ring_forward(q, k, v, causal: bool, scale: float, layout: str, group, windo
 # --8<-- [start:ring-backward]
 def _ring_backward(do, q, k, v, o, lse, causal: bool, scale: float, layout: str, group, window=None,
                    documents=None):
-    rank, world, next_rank, prev_rank = _ring_peers(group)
+    rank, world, ranks = _group_ranks(group)
     n = q.shape[2]
     kv = torch.stack((k, v))
     dq = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
-    dkv_works, dkv_in = [], None  # the dK/dV accumulator arriving with this step's key/value shard
-    for step in range(world):
-        source = (rank - step) % world
-        kv_works, kv_next = [], None
-        if step + 1 < world:
-            kv_next = torch.empty_like(kv)
-            kv_works = _pass_on(kv, kv_next, next_rank, prev_rank, group)
+
+    def shard_grads(kv, source):  # adds the shard's share to dq; returns its float32 dK/dV
         dkv = torch.zeros(kv.shape, dtype=_acc_dtype(q), device=q.device)
         for plan in ring_pieces(rank, source, world, n, causal, layout, window, documents):
             rows, cols = plan.rows, plan.cols
@@ -442,16 +450,51 @@ def _ring_backward(do, q, k, v, o, lse, causal: bool, scale: float, layout: str,
             dq[:, :, rows] += dq_part
             dkv[0][:, :, cols] += dk_part
             dkv[1][:, :, cols] += dv_part
-        if step > 0:  # what the ranks before us added to this shard's gradients
-            _wait(dkv_works)
-            dkv += dkv_in
-        # Pass the accumulator on with its shard; after the last step it reaches the shard's owner.
-        dkv_in = torch.empty_like(dkv)
-        dkv_works = _pass_on(dkv, dkv_in, next_rank, prev_rank, group) if world > 1 else []
-        _wait(kv_works)
-        kv = kv_next
-    _wait(dkv_works)
-    dkv = dkv_in if world > 1 else dkv
+        return dkv
+
+    if 1 < world <= DIRECT_FETCH_MAX_WORLD:
+        # Every shard fetched at the start, as the forward does. Step s's gradients belong to rank
+        # r - s and go straight to it, in the inputs' dtype (each piece's already was), while rank
+        # r + s sends this rank its share; a share is added one step after it was sent.
+        fetched = _fetch_all(kv, group)
+        home, in_flight = None, None  # this rank's own sums; the last exchange (sent, received, works)
+        for step in range(world):
+            (kv, arrival), fetched[step] = fetched[step], None
+            _wait(arrival)
+            dkv = shard_grads(kv, (rank - step) % world)
+            if step == 0:
+                home = dkv
+                continue
+            send = dkv.to(k.dtype)
+            recv = torch.empty_like(send)
+            exchange = (send, recv, _pass_on(send, recv, ranks[(rank - step) % world], ranks[(rank + step) % world],
+                                             group))
+            if in_flight is not None:
+                _wait(in_flight[2])
+                home += in_flight[1]
+            in_flight = exchange
+        _wait(in_flight[2])
+        dkv = home + in_flight[1]
+    else:
+        # The shards travel the ring again; a shard's dK/dV accumulate in float32 in a buffer that
+        # follows it one step behind, each rank adding its share, and a last pass brings it home.
+        next_rank, prev_rank = ranks[(rank + 1) % world], ranks[(rank - 1) % world]
+        dkv_works, dkv_in = [], None  # the accumulator arriving with this step's shard
+        for step in range(world):
+            kv_works, kv_next = [], None
+            if step + 1 < world:
+                kv_next = torch.empty_like(kv)
+                kv_works = _pass_on(kv, kv_next, next_rank, prev_rank, group)
+            dkv = shard_grads(kv, (rank - step) % world)
+            if step > 0:  # what the ranks before us added to this shard's gradients
+                _wait(dkv_works)
+                dkv += dkv_in
+            dkv_in = torch.empty_like(dkv)
+            dkv_works = _pass_on(dkv, dkv_in, next_rank, prev_rank, group) if world > 1 else []
+            _wait(kv_works)
+            kv = kv_next
+        _wait(dkv_works)
+        dkv = dkv_in if world > 1 else dkv
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 # --8<-- [end:ring-backward]
 
@@ -566,9 +609,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     the PyTorch reference (float16/bfloat16 CPU tensors the kernels under ``TRITON_INTERPRET=1``).
 
     Memory: in groups of up to ``DIRECT_FETCH_MAX_WORLD`` ranks the forward fetches every other rank's
-    key/value shard at its start, so it holds R - 1 of them at once (the backward, and the forward of
-    larger groups, hold two at a time); set the constant lower to trade that memory for exchanges that
-    wait for each other.
+    key/value shard at its start, so it holds all R of them at once (R - 1 when ``DIRECT_FETCH_BY`` is
+    ``"send_recv"``; the backward, and the forward of larger groups, hold two at a time); set the
+    constant lower to trade that memory for exchanges that wait for each other.
 
     Every rank of the group must make the call, and the backward of its output: the exchanges wait for
     all of them. A rank that raises (on arguments unlike the others') or skips the backward leaves the

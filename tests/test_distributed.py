@@ -84,7 +84,9 @@ HYBRID_CASES = {
 # The forward fetches key/value shards straight from their owners in small groups
 # (fd.DIRECT_FETCH_MAX_WORLD); these cases pass them along the ring instead, as larger groups do.
 RELAY_CASES = ["relay-causal-zigzag", "relay-window-causal-zigzag", "relay-documents-causal-zigzag", "relay-plain"]
-CHECKS = [*CASES, *RELAY_CASES, *ULYSSES_CASES, *HYBRID_CASES, "no-grad", "gather", "odd-zigzag-shard", "shard-length-mismatch",
+# The direct fetch is one all-gather (fd.DIRECT_FETCH_BY); these cases fetch by send/receive pairs.
+SEND_RECV_CASES = ["send-recv-causal-zigzag", "send-recv-plain"]
+CHECKS = [*CASES, *RELAY_CASES, *SEND_RECV_CASES, *ULYSSES_CASES, *HYBRID_CASES, "no-grad", "gather", "odd-zigzag-shard", "shard-length-mismatch",
           "subgroup-of-3", "twice", "ulysses-heads-indivisible"]
 
 
@@ -198,6 +200,12 @@ def _check(name: str, rank: int, world: int):
             return _run_attention(CASES[name.removeprefix("relay-")], rank, world)
         finally:
             fd.DIRECT_FETCH_MAX_WORLD = before
+    if name in SEND_RECV_CASES:
+        before, fd.DIRECT_FETCH_BY = fd.DIRECT_FETCH_BY, "send_recv"
+        try:
+            return _run_attention(CASES[name.removeprefix("send-recv-")], rank, world)
+        finally:
+            fd.DIRECT_FETCH_BY = before
     if name in ULYSSES_CASES:
         return _run_ulysses(ULYSSES_CASES[name], rank, world)
     if name in HYBRID_CASES:
@@ -351,7 +359,7 @@ def _results(world, name: str) -> list:
 # --------------------------------------------------------------------------------------------------
 # the multi-process tests
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", [*CASES, *RELAY_CASES])
+@pytest.mark.parametrize("name", [*CASES, *RELAY_CASES, *SEND_RECV_CASES])
 def test_ring_attention_matches_full_attention(world, name):
     """Output, LSE and all three gradients of every rank's shard, float64: equal to rounding (1e-12 of
     the largest entry)."""
@@ -780,7 +788,19 @@ def _gpu_check(case: dict, dtype, rank: int, world: int, grid) -> dict:
     single = grads(single_fn, [x.to(dtype) for x in (q, k, v)], do.to(dtype))
     shard = lambda x: fd.shard_sequence(x, rank, world, layout=layout)  # noqa: E731
     options = dict(causal=causal, layout=layout, window=window, cu_seqlens=documents)
-    paths = {"ring": (shard, lambda *x: fd.ring_attention(*x, **options))}
+    def ring_fetching(max_world, by):  # the forward's other ways of fetching shards (the backward's is one)
+        def fn(*x):
+            before = fd.DIRECT_FETCH_MAX_WORLD, fd.DIRECT_FETCH_BY
+            fd.DIRECT_FETCH_MAX_WORLD, fd.DIRECT_FETCH_BY = max_world, by
+            try:
+                return fd.ring_attention(*x, **options)
+            finally:
+                fd.DIRECT_FETCH_MAX_WORLD, fd.DIRECT_FETCH_BY = before
+        return fn
+
+    paths = {"ring": (shard, lambda *x: fd.ring_attention(*x, **options)),
+             "ring-send-recv": (shard, ring_fetching(world, "send_recv")),
+             "ring-relay": (shard, ring_fetching(0, fd.DIRECT_FETCH_BY))}
     if case["h_q"] % world == 0:
         paths["ulysses"] = (shard, lambda *x: fd.ulysses_attention(*x, **options))
     if grid is not None and case["h_q"] % GPU_HYBRID_WIDTH == 0:
@@ -829,7 +849,7 @@ def test_ring_attention_nccl_matches_single_gpu_kernels(nccl_world, dtype):
             if not err_cp <= 3.0 * err_single + 1e-4:
                 problems.append(f"{name} rank {rank} {what}: {err_cp:.3e} vs single GPU {err_single:.3e}")
     assert not problems, "\n".join(problems)
-    assert seen == {"ring", "ulysses", "hybrid"}, f"{size} GPUs checked only {sorted(seen)}"
+    assert seen == {"ring", "ring-send-recv", "ring-relay", "ulysses", "hybrid"}, f"{size} GPUs checked only {sorted(seen)}"
 
 
 # --------------------------------------------------------------------------------------------------
