@@ -608,9 +608,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     them raises ``RuntimeError``. NCCL with CUDA tensors runs the Triton kernels; gloo with CPU tensors runs
     the PyTorch reference (float16/bfloat16 CPU tensors the kernels under ``TRITON_INTERPRET=1``).
 
-    Memory: in groups of up to ``DIRECT_FETCH_MAX_WORLD`` ranks the forward fetches every other rank's
-    key/value shard at its start, so it holds all R of them at once (R - 1 when ``DIRECT_FETCH_BY`` is
-    ``"send_recv"``; the backward, and the forward of larger groups, hold two at a time); set the
+    Memory: in groups of up to ``DIRECT_FETCH_MAX_WORLD`` ranks the forward and the backward each
+    fetch every rank's key/value shard at their start, so they hold all R of them at once (R - 1 when
+    ``DIRECT_FETCH_BY`` is ``"send_recv"``; larger groups relay and hold two at a time); set the
     constant lower to trade that memory for exchanges that wait for each other.
 
     Every rank of the group must make the call, and the backward of its output: the exchanges wait for
