@@ -348,8 +348,9 @@ def _pass_on(send: torch.Tensor, recv: torch.Tensor, to_rank: int, from_rank: in
     return dist.batch_isend_irecv(ops)
 
 
-# Groups up to this size fetch the forward's key/value shards straight from their owners, all at the
-# start; larger ones pass them along the ring, one step at a time.
+# Groups up to this size fetch every key/value shard at the start of the forward and of the backward
+# (which sends each shard's gradients straight to its owner); larger ones pass shards and gradients
+# along the ring, one step at a time.
 DIRECT_FETCH_MAX_WORLD = 8
 # How that fetch runs: one all-gather ("all_gather") or R - 1 point-to-point exchanges ("send_recv").
 DIRECT_FETCH_BY = "all_gather"
@@ -371,6 +372,8 @@ def _fetch_all(kv: torch.Tensor, group) -> list:
     shard (R shards in hand, this rank's own copied once more) or R - 1 send/receive pairs (R - 1
     shards in hand); either costs memory against the ring's two."""
     rank, world, ranks = _group_ranks(group)
+    if world == 1:
+        return [(kv, [])]
     if DIRECT_FETCH_BY == "all_gather":  # one collective; shard i of the result is group rank i's
         every = torch.empty((world * kv.shape[0], *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
