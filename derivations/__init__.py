@@ -39,6 +39,7 @@ MODULES = (
     "io_complexity",
     "backward_precision",
     "merge",
+    "fp8_scales",
     "errata",
 )
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # what static tools (type checkers, the API reference) read; 
         flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache,
     )
     from flashattn.decode import attention_with_kvcache  # noqa: F401
+    from flashattn.fp8 import attention_fp8  # noqa: F401
     from flashattn.varlen import attention_varlen  # noqa: F401
     from flashattn.precompile import warmup  # noqa: F401
 
@@ -29,6 +30,7 @@ _NAMES = {
     "attention": "api",
     "attention_varlen": "varlen",
     "attention_with_kvcache": "decode",
+    "attention_fp8": "fp8",
     "flash_attn_func": "compat",
     "flash_attn_kvpacked_func": "compat",
     "flash_attn_qkvpacked_func": "compat",

@@ -307,7 +307,7 @@ def gluon_kernel(kernel: str, problem: Problem, device: torch.device) -> bool:
         found = remember(_GLUON, key, (
             kernel in GLUON_HEAD_DIMS and p.head_dim in GLUON_HEAD_DIMS[kernel] and not is_interpreter()
             and not (p.varlen or p.window is not None or p.softcap or p.alibi or p.dropout_p or p.head_dim_v
-                     or p.sinks)
+                     or p.sinks or p.descale)
             and p.scale > 0
             and p.batch * p.heads_q * p.n * p.m * p.head_dim >= GLUON_MIN_WORK[(kernel, p.head_dim)][int(p.causal)]
             and _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)))
@@ -475,6 +475,7 @@ def plan_for(kernel: str, problem: Problem, device: torch.device, cfg: KernelCon
     passes = (constexprs,)
     if kernel == "fwd":
         constexprs["HAS_SINKS"] = problem.sinks  # the sinks join the epilogue's normalization
+        constexprs["DESCALE"] = problem.descale  # float8 inputs and their factors (flashattn.fp8)
     if kernel == "bwd_dq":
         # the preprocess's row statistics computed in the dQ kernel (flashattn.backward.attention_backward
         # turns them on where dQ runs first)

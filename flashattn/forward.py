@@ -38,6 +38,13 @@ from flashattn.tensors import (
 )
 from flashattn.problem import Problem, dense_like, output_like, seed_halves, variant_abi
 
+# float8 P is rounded after this factor and the output divided by it (a power of two: both exact)
+FP8_P_SCALE = tl.constexpr(256.0)
+# Triton's interpreter (3.9) rounds float32 to float8 without carrying a rounded-up mantissa into the
+# exponent (126.0 becomes 64.0); under it P is first rounded to float8's 4 significant bits in float32,
+# which the conversion then keeps exactly. GPUs convert in hardware and skip this.
+_FP8_ROUND_IN_FLOAT32 = tl.constexpr(_config.is_interpreter())
+
 
 # --8<-- [start:fwd-inner]
 @triton.jit
@@ -47,7 +54,7 @@ def _fwd_inner(
     win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_drop, drop_threshold,  #
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,  #
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, FP8: tl.constexpr,
 ):
     """Fold the key blocks starting in [lo, hi) into the online-softmax state of one query block.
     ``key0`` is the row of k that holds key 0 of the sequence (0 for dense tensors) and ``i_drop`` the
@@ -105,6 +112,13 @@ def _fwd_inner(
         # --8<-- [end:fwd-dropout]
         b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_DV)  # [BLOCK_N, BLOCK_DV]
         # P is rounded to the input dtype so the second matmul runs on the tensor cores too
+        if FP8:
+            # e4m3 keeps 3 mantissa bits from 2^-6 up: P (<= 1) scaled by 2^8 before the rounding
+            # stays normal down to 2^-14; the epilogue divides the 2^8 back out (docs/kernels/fp8.md)
+            p = p * FP8_P_SCALE
+            if _FP8_ROUND_IN_FLOAT32:
+                split = p * 1048577.0  # 2^20 + 1: Veltkamp's split keeps 24 - 20 = 4 significant bits
+                p = split - (split - p)
         acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
         m_i = m_new
         # --8<-- [end:fwd-online-update]
@@ -121,10 +135,12 @@ def _attn_fwd_kernel(
     CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, N_SEQS,  #
     win_left, win_right, cap_in, cap_out, SLOPES, stride_slope_b, seed_lo, seed_hi, drop_threshold, inv_keep,  #
     SINKS,  # per-head sink logits (Hq,), read with HAS_SINKS
+    DESCALES,  # float32 (3, B, Hkv): the descale factors of q, k and v, read with DESCALE
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  #
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
     HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     VARLEN: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr,
+    DESCALE: tl.constexpr,
 ):
     # Causal rows late in the sequence see the most keys: those blocks launch first, so the short
     # ones fill the gaps at the end of the grid instead of the long ones trailing alone.
@@ -133,6 +149,15 @@ def _attn_fwd_kernel(
     i_hq = i_bh % H_Q
     i_hkv = i_hq // GROUP  # the K/V head this query head shares with its group
     EVEN_DV: tl.constexpr = HEAD_DIM_V == BLOCK_DV  # v's and o's head dim (D_v, D unless split)
+    # --8<-- [start:fwd-descale]
+    if DESCALE:
+        # float8 q, k, v hold x / descale_x per (batch, K/V head): q's and k's factors multiply every
+        # score, so they join the score scale; v's multiplies the output (docs/kernels/fp8.md)
+        per_tensor = N_SEQS * (H_Q // GROUP)  # B * Hkv factors each
+        d_row = DESCALES + i_b * (H_Q // GROUP) + i_hkv
+        qk_scale = qk_scale * tl.load(d_row) * tl.load(d_row + per_tensor)
+        o_scale = tl.load(d_row + 2 * per_tensor) / FP8_P_SCALE
+    # --8<-- [end:fwd-descale]
 
     start_m = i_m * BLOCK_M
     q_row = start_m  # the tile's first row in q and o
@@ -190,17 +215,17 @@ def _attn_fwd_kernel(
                                    lo, full_start, N_CTX_Q, N_CTX_K, qk_scale,
                                    win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_drop,
                                    drop_threshold, True, CAUSAL, BLOCK_N, BLOCK_D,
-                                   HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT, BLOCK_DV)
+                                   HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT, BLOCK_DV, DESCALE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n, k_start,
                                full_start, full_end, N_CTX_Q, N_CTX_K, qk_scale,
                                win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_drop,
                                drop_threshold, False, CAUSAL, BLOCK_N, BLOCK_D,
-                               HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT, BLOCK_DV)
+                               HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT, BLOCK_DV, DESCALE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, k_desc, v_desc, i_b, i_hkv, offs_m, offs_n, k_start,
                                full_end, hi, N_CTX_Q, N_CTX_K, qk_scale,
                                win_left, win_right, cap_in, cap_out, slope2, seed_lo, seed_hi, i_drop,
                                drop_threshold, True, CAUSAL, BLOCK_N, BLOCK_D,
-                               HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT, BLOCK_DV)
+                               HAS_WINDOW, SOFTCAP, ALIBI, DROPOUT, BLOCK_DV, DESCALE)
 
     # --8<-- [start:fwd-sinks]
     if HAS_SINKS:
@@ -222,6 +247,8 @@ def _attn_fwd_kernel(
     b_o = acc / tl.where(empty, 1.0, l_i)[:, None]  # [BLOCK_M, BLOCK_DV]
     if DROPOUT:
         b_o = b_o * inv_keep  # the kept entries of P, scaled by 1 / (1 - p)
+    if DESCALE:
+        b_o = b_o * o_scale  # v's factor, and P's 2^8 divided back out
     # lse = ln(sum exp(s)) = (m_i + log2(l_i)) * ln 2, with m_i the base-2 max
     b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)  # [BLOCK_M]
     # 64-bit base, 32-bit offsets inside the tile: a (B, N, H, D) output can hold more than 2^31 elements
@@ -241,6 +268,14 @@ def _attn_fwd_kernel(
 # --8<-- [end:fwd-kernel]
 
 
+def _output_dtype(problem: Problem) -> torch.dtype | None:
+    """The output's dtype where it is not q's: bfloat16 for float8 inputs, float32 under Triton's
+    interpreter, whose float32 -> bfloat16 conversion truncates (flashattn.fp8 rounds it then)."""
+    if not problem.descale:
+        return None
+    return torch.float32 if _config.is_interpreter() else torch.bfloat16
+
+
 def forward_key(q, k, v, problem: Problem, alibi_slopes=None):
     """The key of a :func:`launch_forward` call, or None for one that is never replayed. A call with
     the key of an earlier one (the problem, device, layouts, which of q, k, v are one tensor, as in
@@ -253,21 +288,24 @@ def forward_key(q, k, v, problem: Problem, alibi_slopes=None):
             (k is q, v is q, v is k))
 
 
-def replay_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, sinks=None):
+def replay_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, sinks=None, descales=None):
     """``(o, lse)`` of :func:`launch_forward` from the recipe an earlier call with this key left, or None
     where there is none: the caller made q's device the current one and runs the dense kernels."""
-    return replay(forward_key(q, k, v, problem, alibi_slopes), (q, k, v, alibi_slopes, sinks),
+    return replay(forward_key(q, k, v, problem, alibi_slopes), (q, k, v, alibi_slopes, sinks, descales),
                   seed_halves(problem, seed))
 
 
 # --8<-- [start:fwd-launch]
 def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem,
-                   alibi_slopes: torch.Tensor | None = None, seed: int = 0, packing=None, sinks=None):
+                   alibi_slopes: torch.Tensor | None = None, seed: int = 0, packing=None, sinks=None,
+                   descales=None):
     """Run the forward kernel on ``q``'s device. Returns ``(o, lse)``: o like q, lse float32 (B, Hq, N),
     natural log. Inputs are validated by :mod:`flashattn.api`; any outer strides are used as they are.
     ``alibi_slopes`` (float32 (Hq,) or (B, Hq)) when ``problem.alibi``; ``seed`` (0 <= seed < 2^62) of
     the dropout mask when ``problem.dropout_p`` > 0; ``sinks`` (Hq,) when ``problem.sinks``, joined in the
-    kernel's epilogue (o and lse are then those with the sinks).
+    kernel's epilogue (o and lse are then those with the sinks); ``descales`` float32 (3, B, Hkv),
+    contiguous, when ``problem.descale`` (float8 q, k, v; o is then bfloat16, float32 under the
+    interpreter).
 
     Packed sequences (``problem.varlen``): q is (total_q, Hq, D), k and v (total_k, Hkv, D), ``packing``
     is ``(cu_seqlens_q, cu_seqlens_k)`` (int32, on q's device, validated by :mod:`flashattn.varlen`),
@@ -278,7 +316,7 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: P
         return o.to(q.dtype), lse
     p = problem
     key = forward_key(q, k, v, p, alibi_slopes)
-    inputs, free = (q, k, v, alibi_slopes, sinks), seed_halves(p, seed)
+    inputs, free = (q, k, v, alibi_slopes, sinks, descales), seed_halves(p, seed)
     replayed = replay(key, inputs, free)
     if replayed is not None:
         return replayed
@@ -301,7 +339,8 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: P
         q, k, v = (addressable(x) for x in (q, k, v))
     else:
         q, k, v = (addressable(x) for x in (q, k, v))
-        o = o_view = output_like(q, p.dv)  # q's memory layout, e.g. (B, N, H, D) for a transposed view
+        # q's memory layout, e.g. (B, N, H, D) for a transposed view
+        o = o_view = output_like(q, p.dv, _output_dtype(p))
         lse = torch.empty((p.batch, p.heads_q, p.n), dtype=torch.float32, device=q.device)
         cu_q = cu_k = lse  # never read: VARLEN is off
         n_q, n_k = p.n, p.m
@@ -314,7 +353,7 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: P
                 o_view.stride(0), o_view.stride(1), o_view.stride(2),
                 p.heads_q, p.group, n_q, n_k, p.qk_scale, plan.n_blocks, plan.heads_per_group,
                 cu_q, cu_k, offsets, p.batch, *variant_abi(p, alibi_slopes, seed, lse)[1],
-                lse if sinks is None else sinks)
+                lse if sinks is None else sinks, lse if descales is None else descales)
         launch(_attn_fwd_kernel, plan.grid, args, plan.constexprs, plan.options, record)
 
     if p.varlen:  # the fixed table entry: every new total would otherwise be a new plan (and autotuning)

@@ -9,7 +9,7 @@ below autograd imports them.
 # (layer, what it holds, its modules), top to bottom
 LAYERS = (
     ("entry points", "validate the arguments once and build the problem description",
-     ("__init__", "api", "compat", "varlen", "decode", "distributed", "precompile", "integrations",
+     ("__init__", "api", "compat", "varlen", "decode", "distributed", "fp8", "precompile", "integrations",
       "integrations.transformers")),
     ("autograd and custom operators", "one autograd path per operation; the torch.library operators",
      ("autograd", "custom_ops")),

@@ -63,6 +63,9 @@ class Problem:
     # prefill); 0 when they share D
     head_dim_v: int = 0
     sinks: bool = False  # the call passes per-head sink logits (flashattn.autograd.with_sinks)
+    # float8 (e4m3) q, k, v with per-(batch, K/V head) descale factors (flashattn.fp8): the forward
+    # folds them into the score scale and the output, which is bfloat16
+    descale: bool = False
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -78,7 +81,8 @@ class Problem:
         object.__setattr__(self, "_constexprs", dict(
             HAS_WINDOW=self.window is not None, SOFTCAP=self.softcap > 0, ALIBI=self.alibi,
             DROPOUT=self.dropout_p > 0, VARLEN=varlen))
-        plain = not (self.window is not None or self.softcap or self.alibi or self.dropout_p or self.head_dim_v)
+        plain = not (self.window is not None or self.softcap or self.alibi or self.dropout_p or self.head_dim_v
+                     or self.descale)
         object.__setattr__(self, "_split_kv", self.layout == "dense" and plain and not self.empty and self.scale >= 0
                            and split_kv_wins(self.n, self.m, self.batch * self.heads_kv))
         # the dense forward and backward launchers run it (not packed, empty or split-KV): what the
@@ -91,7 +95,7 @@ class Problem:
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool = False, scale: float | None = None, *,
            window=None, softcap: float | None = 0.0, alibi: bool = False, dropout_p: float = 0.0,
-           head_dim_v: int = 0, sinks: bool = False) -> "Problem":
+           head_dim_v: int = 0, sinks: bool = False, descale: bool = False) -> "Problem":
         """The description of attention of q (B, Hq, N, D) over k (B, Hkv, M, D); the caller validates.
 
         ``window = (left, right)`` takes ``None`` on a side for unbounded; ``softcap`` 0 or None is off;
@@ -101,7 +105,7 @@ class Problem:
         m = k.shape[2]
         return cls(batch, heads_q, k.shape[1], n, m, head_dim, q.dtype, bool(causal), _scale(scale, head_dim),
                    *_variants(n, m, causal, window, softcap, alibi, dropout_p), head_dim_v=int(head_dim_v),
-                   sinks=bool(sinks))
+                   sinks=bool(sinks), descale=bool(descale))
 
     @classmethod
     def packed(cls, q: torch.Tensor, k: torch.Tensor, n_seqs: int, max_seqlen_q: int, max_seqlen_k: int,
@@ -237,22 +241,24 @@ def seed_halves(problem: Problem, seed: int) -> tuple[int, int]:
     return seed & (2**31 - 1), seed >> 31
 
 
-def dense_like(x: torch.Tensor) -> torch.Tensor:
-    """An uninitialized tensor shaped like ``x``: the layout every backend gives its outputs (and the
-    custom operators' fake tensors promise). ``x``'s own where its last dim is dense (e.g. (B, N, H, D)
-    for a transposed view, so outputs match their inputs' layout), contiguous otherwise."""
-    out = torch.empty_like(x)
-    return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+def dense_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialized tensor shaped like ``x`` (of ``dtype``, x's when None): the layout every backend
+    gives its outputs (and the custom operators' fake tensors promise). ``x``'s own where its last dim
+    is dense (e.g. (B, N, H, D) for a transposed view, so outputs match their inputs' layout),
+    contiguous otherwise."""
+    out = torch.empty_like(x, dtype=dtype)
+    return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=out.dtype, device=x.device)
 
 
-def output_like(q: torch.Tensor, head_dim_v: int) -> torch.Tensor:
-    """An uninitialized output for queries ``q``: :func:`dense_like` of q, or, when the values' head
-    dim differs from q's, a tensor of q's shape but ``head_dim_v`` columns in the same dim order."""
+def output_like(q: torch.Tensor, head_dim_v: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialized output for queries ``q`` (of ``dtype``, q's when None): :func:`dense_like` of q,
+    or, when the values' head dim differs from q's, a tensor of q's shape but ``head_dim_v`` columns in
+    the same dim order."""
     if head_dim_v == q.shape[-1]:
-        return dense_like(q)
+        return dense_like(q, dtype)
     shape = (*q.shape[:-1], head_dim_v)
     order = sorted(range(q.dim() - 1), key=lambda i: -q.stride(i))  # q's outer dims, outermost first
-    out = torch.empty([shape[i] for i in order] + [head_dim_v], dtype=q.dtype, device=q.device)
+    out = torch.empty([shape[i] for i in order] + [head_dim_v], dtype=dtype or q.dtype, device=q.device)
     return out.permute(*[order.index(i) for i in range(q.dim() - 1)], q.dim() - 1)
 
 

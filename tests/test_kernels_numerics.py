@@ -76,7 +76,7 @@ def test_interpreter_stores_stay_inside_their_outputs(causal, monkeypatch):
     q, k, v, do = _inputs(1, 2, 1, 37, 53, 24, torch.float16)
     p = Problem.of(q, k, causal, 24 ** -0.5)
     with monkeypatch.context() as m:  # guarded first: a stray store lands in a guard, not in the heap
-        m.setattr(fwd_mod, "output_like", lambda x, d_v: guarded(x))  # o: D_v = D here
+        m.setattr(fwd_mod, "output_like", lambda x, d_v, dtype=None: guarded(x))  # o: D_v = D, q's dtype here
         m.setattr(bwd_mod, "dense_like", guarded)
         o, lse = attention_forward(q, k, v, p)
         outs = (o, *attention_backward(do, q, k, v, o, lse, p))
