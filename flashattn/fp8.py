@@ -75,13 +75,18 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: 
 
     Args:
         q: (B, Hq, N, D) ``torch.float8_e4m3fn``, any strides; 32 <= D <= 256.
-        k, v: (B, Hkv, M, D) of the same dtype, ``Hq % Hkv == 0``.
-        q_descale, k_descale, v_descale: float32 (B, Hkv) on q's device, the factors that turn each
-            tensor back into the values it stands for (q's per K/V head, as FlashAttention 3 takes
-            them); None is 1. They must be positive: the kernel's row maximum relies on a score
-            scale >= 0, as it does for ``scale``.
-        causal, scale, window, return_lse: as :func:`flashattn.attention` takes them; ``scale``
-            applies to the dequantized values (``1 / sqrt(D)`` when None).
+        k: (B, Hkv, M, D) of the same dtype, ``Hq % Hkv == 0``.
+        v: like k.
+        q_descale: float32 (B, Hkv) on q's device: the factor that turns q back into the values it
+            stands for, one per K/V head (its query heads share it, as in FlashAttention 3); None
+            is 1. The factors must be positive: the kernel's row maximum relies on a score scale
+            >= 0, as it does for ``scale``.
+        k_descale: k's factors, likewise.
+        v_descale: v's factors, likewise.
+        causal: as :func:`flashattn.attention` takes it.
+        scale: the softmax scale of the dequantized values, ``1 / sqrt(D)`` when None.
+        window: as :func:`flashattn.attention` takes it.
+        return_lse: also return the LSE.
 
     Returns:
         ``o`` (B, Hq, N, D) bfloat16 in q's memory layout, or ``(o, lse)`` with the natural-log LSE
