@@ -34,7 +34,7 @@ from flashattn.device_helpers import (
 )
 from flashattn.launch import launch, recording, replay
 from flashattn.tensors import (
-    addressable, Descriptors, heads_first, interpreter_needs_float32, tile_offsets,
+    addressable, Descriptors, heads_first, interpreter_needs_float32, keys_last, tile_offsets,
 )
 from flashattn.problem import Problem, dense_like, output_like, seed_halves, variant_abi
 
@@ -110,7 +110,12 @@ def _fwd_inner(
             keep = dropout_keep(seed_lo, seed_hi, i_drop, offs_m, start_n - key0, drop_threshold, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         # --8<-- [end:fwd-dropout]
-        b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_DV)  # [BLOCK_N, BLOCK_DV]
+        if FP8:
+            # v arrives transposed, (B, Hkv, D, M): keys contiguous, the order in which the float8
+            # tensor cores read the P V product's second operand
+            b_v = tl.trans(v_desc.load([i_b, i_hkv, 0, start_n]).reshape(BLOCK_DV, BLOCK_N))
+        else:
+            b_v = v_desc.load([i_b, i_hkv, start_n, 0]).reshape(BLOCK_N, BLOCK_DV)  # [BLOCK_N, BLOCK_DV]
         # P is rounded to the input dtype so the second matmul runs on the tensor cores too
         if FP8:
             # e4m3 keeps 3 mantissa bits from 2^-6 up: P (<= 1) scaled by 2^8 before the rounding
@@ -282,7 +287,7 @@ def forward_key(q, k, v, problem: Problem, alibi_slopes=None):
     self-attention of x with itself) repeats that call's launches with its own tensors: no config
     lookup, descriptor object or argument binding (flashattn.launch.Recipe). A tensor subclass takes
     the full path: its outputs are of the subclass (empty_like), a replay's are not."""
-    if problem.varlen or type(q) is not torch.Tensor:
+    if problem.varlen or problem.descale or type(q) is not torch.Tensor:  # float8: v is copied per call
         return None
     return (problem, q.device, q.stride(), k.stride(), v.stride(), alibi_slopes is not None and alibi_slopes.dim(),
             (k is q, v is q, v is k))
@@ -341,6 +346,8 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: P
         q, k, v = (addressable(x) for x in (q, k, v))
         # q's memory layout, e.g. (B, N, H, D) for a transposed view
         o = o_view = output_like(q, p.dv, _output_dtype(p))
+        if p.descale:
+            v = keys_last(v)
         lse = torch.empty((p.batch, p.heads_q, p.n), dtype=torch.float32, device=q.device)
         cu_q = cu_k = lse  # never read: VARLEN is off
         n_q, n_k = p.n, p.m
@@ -349,7 +356,8 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: P
         cfg = plan.config
         offsets = tile_offsets(cu_q, cfg.block_m) if p.varlen else lse
         desc = Descriptors(p.block_d)
-        args = (desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n, p.block_dv), o_view, lse,
+        v_tiles = desc(v, p.block_dv, cfg.block_n) if p.descale else desc(v, cfg.block_n, p.block_dv)
+        args = (desc(q, cfg.block_m), desc(k, cfg.block_n), v_tiles, o_view, lse,
                 o_view.stride(0), o_view.stride(1), o_view.stride(2),
                 p.heads_q, p.group, n_q, n_k, p.qk_scale, plan.n_blocks, plan.heads_per_group,
                 cu_q, cu_k, offsets, p.batch, *variant_abi(p, alibi_slopes, seed, lse)[1],

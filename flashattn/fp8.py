@@ -95,7 +95,8 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: 
     CUDA tensors run the Triton forward kernel; CPU tensors run it under Triton's interpreter
     (``TRITON_INTERPRET=1``), else the PyTorch reference on the dequantized values in float32
     (which rounds nothing to float8 beyond the inputs). No gradient, no dropout, softcap, ALiBi or
-    sinks, and no ``torch.compile`` yet.
+    sinks, and no ``torch.compile`` yet. Not yet faster than the bfloat16 forward: see the float8
+    page of the kernels section.
     """
     _check(q, k, v, causal, scale, return_lse)
     batch, heads_q = q.shape[:2]

@@ -64,6 +64,17 @@ def addressable(x: torch.Tensor) -> torch.Tensor:
     return view
 
 
+def keys_last(v: torch.Tensor) -> torch.Tensor:
+    """v (B, H, M, D) as a (B, H, D, M) copy whose rows (of M keys) start 16 bytes apart, so a tensor
+    descriptor reads [D, keys] tiles of it: the layout the float8 P V product takes."""
+    per_16_bytes = 16 // v.element_size()
+    padded_m = -(-v.shape[2] // per_16_bytes) * per_16_bytes
+    buffer = torch.empty((*v.shape[:2], v.shape[3], padded_m), dtype=v.dtype, device=v.device)
+    view = buffer[..., : v.shape[2]]
+    view.copy_(v.transpose(2, 3))
+    return view
+
+
 def heads_first(x: torch.Tensor) -> torch.Tensor:
     """A packed (total, H, D) tensor viewed as the (1, H, total, D) tensor the kernels address: a
     transpose, no copy. Its row stride is the packed tensor's, so slices of a packed qkv work too."""
