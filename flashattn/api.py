@@ -81,6 +81,13 @@ def check_scale(scale) -> None:
 
 
 def _check_inputs(q, k, v, causal, scale, allow_empty: bool = False):
+    check_shapes(q, k, v, causal, scale, allow_empty)
+    check_dtype_for_device(q, "q, k, v")
+
+
+def check_shapes(q, k, v, causal, scale, allow_empty: bool = False):
+    """What :func:`attention` checks of q, k, v, ``causal`` and ``scale``, but the dtype each device
+    runs: tensors, their shapes and head dims, the flag and the scale."""
     check_tensors(q, k, v, "(B, Hq, N, D)", "(B, Hkv, M, D)")
     b, h_q, n, d = q.shape
     _, h_kv, m, d_k = k.shape
@@ -96,7 +103,6 @@ def _check_inputs(q, k, v, causal, scale, allow_empty: bool = False):
         raise ValueError(f"q and k need at least one batch, head, query and key; got q {tuple(q.shape)}, k {tuple(k.shape)}")
     check_flag("causal", causal)
     check_scale(scale)
-    check_dtype_for_device(q, "q, k, v")
 
 
 def autocast_inputs(q, k, v):

@@ -45,6 +45,12 @@ def describable(x: torch.Tensor) -> bool:
             and all(st * size % 16 == 0 for st in x.stride()[:-1]))
 
 
+def _padded_row(length: int, x: torch.Tensor) -> int:
+    """``length`` elements of x's dtype rounded up to a whole number of 16 bytes (a descriptor's row)."""
+    per_16_bytes = 16 // x.element_size()
+    return -(-length // per_16_bytes) * per_16_bytes
+
+
 def addressable(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself when the kernels can read it through tensor descriptors, else an aligned copy.
 
@@ -56,9 +62,7 @@ def addressable(x: torch.Tensor) -> torch.Tensor:
     """
     if describable(x):
         return x
-    per_16_bytes = 16 // x.element_size()
-    padded_d = -(-x.shape[-1] // per_16_bytes) * per_16_bytes
-    buffer = torch.empty((*x.shape[:-1], padded_d), dtype=x.dtype, device=x.device)
+    buffer = torch.empty((*x.shape[:-1], _padded_row(x.shape[-1], x)), dtype=x.dtype, device=x.device)
     view = buffer[..., : x.shape[-1]]
     view.copy_(x)
     return view
@@ -67,9 +71,7 @@ def addressable(x: torch.Tensor) -> torch.Tensor:
 def keys_last(v: torch.Tensor) -> torch.Tensor:
     """v (B, H, M, D) as a (B, H, D, M) copy whose rows (of M keys) start 16 bytes apart, so a tensor
     descriptor reads [D, keys] tiles of it: the layout the float8 P V product takes."""
-    per_16_bytes = 16 // v.element_size()
-    padded_m = -(-v.shape[2] // per_16_bytes) * per_16_bytes
-    buffer = torch.empty((*v.shape[:2], v.shape[3], padded_m), dtype=v.dtype, device=v.device)
+    buffer = torch.empty((*v.shape[:2], v.shape[3], _padded_row(v.shape[2], v)), dtype=v.dtype, device=v.device)
     view = buffer[..., : v.shape[2]]
     view.copy_(v.transpose(2, 3))
     return view
