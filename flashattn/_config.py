@@ -130,11 +130,23 @@ _SM90_PACKED = {
     ("bwd_dkdv", 128): _SM90_WINDOW[("bwd_dkdv", 128)],
 }
 
+# Float8 forward tiles (flashattn.fp8): the float8 tensor cores take twice the bfloat16 rate, so the
+# table's one-warpgroup 128 x 64 tile leaves them waiting; 64 x 128 on one warpgroup with three stages
+# was the fastest of a sweep at D <= 128, and 128 x 128 on two warpgroups at D = 256
+# (docs/kernels/tuning-log.md#float8-forward-tiles-issue-46).
+_SM90_FP8 = {
+    **{("fwd", block_d): KernelConfig(64, 128, 4, 3) for block_d in (32, 64, 128)},
+    ("fwd", 256): KernelConfig(128, 128, 8, 3),
+}
 
-def sm90_entry(kernel: str, block_d: int, *, dropout: bool = False, window: bool = False, packed: bool = False):
-    """The Hopper table's entry for ``kernel`` at ``block_d``: dropout's tiles first, then a window's,
-    then packed sequences'."""
+
+def sm90_entry(kernel: str, block_d: int, *, dropout: bool = False, window: bool = False, packed: bool = False,
+               fp8: bool = False):
+    """The Hopper table's entry for ``kernel`` at ``block_d``: float8's tiles first, then dropout's,
+    then a window's, then packed sequences'."""
     key = (kernel, block_d)
+    if fp8 and key in _SM90_FP8:
+        return _SM90_FP8[key]
     if dropout and key in _SM90_DROPOUT:
         return _SM90_DROPOUT[key]
     if window and key in _SM90_WINDOW:
@@ -287,6 +299,10 @@ GLUON_MIN_WORK = {
     ("bwd_dq", 128): (2**33, 2**34),
     ("bwd_dq", 256): (2**32, 2**34),
 }
+# The float8 forward (flashattn.fp8) runs in Gluon at these head dims from this work on, (without a
+# mask, causal) as above (docs/kernels/tuning-log.md#a-float8-gluon-forward-issue-46).
+GLUON_FP8_HEAD_DIMS = (64, 128)
+GLUON_FP8_MIN_WORK = (2**31, 2**33)
 _GLUON = table("config.gluon")  # (kernel, problem, device index) -> whether the Gluon kernel runs it
 
 
@@ -294,7 +310,8 @@ def gluon_kernel(kernel: str, problem: Problem, device: torch.device) -> bool:
     """Whether the Hopper kernel in Gluon runs ``kernel`` ("fwd", "bwd_dkdv" or "bwd_dq") for ``problem``.
 
     Only plain attention (no variant, no packing) with a positive scale, at a head dim of
-    :data:`GLUON_HEAD_DIMS`, with at least the work of :data:`GLUON_MIN_WORK`, on an sm_90 GPU (the launchers also ask
+    :data:`GLUON_HEAD_DIMS`, with at least the work of :data:`GLUON_MIN_WORK` (float8 inputs: the forward at
+    :data:`GLUON_FP8_HEAD_DIMS` from :data:`GLUON_FP8_MIN_WORK`), on an sm_90 GPU (the launchers also ask
     whether this Triton builds the Gluon kernel), and never when a :func:`tuning` pins this kernel's tile
     or turns Gluon off. The answer is kept per problem and device."""
     t = _TUNING.get()
@@ -304,12 +321,16 @@ def gluon_kernel(kernel: str, problem: Problem, device: torch.device) -> bool:
     found = _GLUON.get(key)
     if found is None:
         p = problem
+        if p.descale:
+            dims, bars = (GLUON_FP8_HEAD_DIMS if kernel == "fwd" else ()), GLUON_FP8_MIN_WORK
+        else:
+            dims, bars = GLUON_HEAD_DIMS.get(kernel, ()), GLUON_MIN_WORK.get((kernel, p.head_dim))
         found = remember(_GLUON, key, (
-            kernel in GLUON_HEAD_DIMS and p.head_dim in GLUON_HEAD_DIMS[kernel] and not is_interpreter()
+            p.head_dim in dims and not is_interpreter()
             and not (p.varlen or p.window is not None or p.softcap or p.alibi or p.dropout_p or p.head_dim_v
-                     or p.sinks or p.descale)
+                     or p.sinks)
             and p.scale > 0
-            and p.batch * p.heads_q * p.n * p.m * p.head_dim >= GLUON_MIN_WORK[(kernel, p.head_dim)][int(p.causal)]
+            and p.batch * p.heads_q * p.n * p.m * p.head_dim >= bars[int(p.causal)]
             and _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)))
     return found
 # --8<-- [end:gluon-dispatch]
@@ -358,10 +379,10 @@ def get_config(kernel: str, problem: Problem, device: torch.device) -> KernelCon
     block_d = max(p.block_d, p.block_dv)  # split head dims take the tiles of the wider one
     if major != 9:
         return resolve(_DEFAULT[(kernel, block_d)], p.causal, p.n)
-    cfg = resolve(sm90_entry(kernel, block_d, dropout=p.dropout_p > 0, window=p.window is not None, packed=p.varlen),
-                  p.causal, p.n)
+    cfg = resolve(sm90_entry(kernel, block_d, dropout=p.dropout_p > 0, window=p.window is not None, packed=p.varlen,
+                             fp8=p.descale), p.causal, p.n)
     small = _SM90_SMALL_GRID.get((kernel, block_d))
-    if small is not None and not (p.dropout_p or p.window is not None or p.varlen):
+    if small is not None and not (p.dropout_p or p.window is not None or p.varlen or p.descale):
         blocks, heads = _blocks_and_heads(kernel, p, cfg)  # the table tile's programs, as plan_for launches them
         share, tile = small
         if blocks * p.batch * heads < resolve(share, p.causal, p.n) * _sm_count(index):

@@ -328,7 +328,12 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: P
     record = recording(key)
     if not p.varlen and _config.gluon_kernel("fwd", p, q.device) and hopper.fwd.available():
         # the Hopper forward in Gluon (large plain problems on sm_90, flashattn._config.gluon_kernel);
-        # it makes its inputs TMA-readable itself (a copy it makes is no input: then nothing is kept)
+        # it makes its inputs TMA-readable itself (a copy it makes is no input: then nothing is kept).
+        # Float8 inputs take v keys last and give a bfloat16 o (never recorded: forward_key)
+        if p.descale:
+            o, lse = hopper.fwd.forward(q, k, keys_last(v), p.causal, p.scale, out=dense_like(q, torch.bfloat16),
+                                        descales=descales)
+            return o, lse
         o, lse = hopper.fwd.forward(q, k, v, p.causal, p.scale, out=dense_like(q), record=record)
         if record is not None:
             record.keep(inputs, (o, lse), free, shared=(0, 1, 2))
@@ -343,11 +348,10 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: P
         n_q, n_k = p.total_q, p.total_k  # the kernel reads each sequence's lengths from cu_seqlens
         q, k, v = (addressable(x) for x in (q, k, v))
     else:
-        q, k, v = (addressable(x) for x in (q, k, v))
+        # float8 v keys last (B, Hkv, D, M), read in place where it is laid out so (tensors.keys_last)
+        q, k, v = addressable(q), addressable(k), keys_last(v) if p.descale else addressable(v)
         # q's memory layout, e.g. (B, N, H, D) for a transposed view
         o = o_view = output_like(q, p.dv, _output_dtype(p))
-        if p.descale:
-            v = keys_last(v)
         lse = torch.empty((p.batch, p.heads_q, p.n), dtype=torch.float32, device=q.device)
         cu_q = cu_k = lse  # never read: VARLEN is off
         n_q, n_k = p.n, p.m

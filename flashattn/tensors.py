@@ -69,12 +69,11 @@ def addressable(x: torch.Tensor) -> torch.Tensor:
 
 
 def keys_last(v: torch.Tensor) -> torch.Tensor:
-    """v (B, H, M, D) as a (B, H, D, M) copy whose rows (of M keys) start 16 bytes apart, so a tensor
-    descriptor reads [D, keys] tiles of it: the layout the float8 P V product takes."""
-    buffer = torch.empty((*v.shape[:2], v.shape[3], _padded_row(v.shape[2], v)), dtype=v.dtype, device=v.device)
-    view = buffer[..., : v.shape[2]]
-    view.copy_(v.transpose(2, 3))
-    return view
+    """v (B, H, M, D) seen as (B, H, D, M) with the keys contiguous, so that a tensor descriptor reads
+    [D, keys] tiles of it: the layout the float8 P V product takes. A v whose keys are already
+    contiguous (the transpose of a (B, H, D, M) tensor, as a caller may quantize it) is read in place;
+    any other v is copied (:func:`addressable` of the transposed view)."""
+    return addressable(v.transpose(2, 3))
 
 
 def heads_first(x: torch.Tensor) -> torch.Tensor:

@@ -73,7 +73,7 @@ def _stub_gluon_forward_launch(monkeypatch, launches: list) -> None:
     from flashattn import _config, hopper
 
     monkeypatch.setattr(hopper.fwd, "_get_kernel", lambda: "kernel")
-    monkeypatch.setattr(hopper.fwd, "descriptor", lambda t, rows: ("desc", rows))
+    monkeypatch.setattr(hopper.fwd, "descriptor", lambda t, rows, cols=None: ("desc", rows, cols))
     monkeypatch.setattr(hopper.fwd, "launch", lambda *a, **k: launches.append(a))
     monkeypatch.setattr(_config, "_sm_count", lambda index: 132)
 

@@ -127,6 +127,34 @@ def test_strided_inputs_and_missing_factors():
     assert_within_bound(o, lse, dequantized(q8, ones, 2), dequantized(k8, dk, 2), dequantized(v8, ones, 2), True)
 
 
+def test_v_laid_out_keys_last_is_read_in_place():
+    """tensors.keys_last: a v whose keys are contiguous (quantized as (B, H, D, M) and transposed) is
+    the kernel's operand as it is, no copy; any other v is copied into that layout."""
+    from flashattn import tensors
+
+    vt = torch.randn(2, 3, 64, 48).to(E4M3)  # (B, H, D, M), M a multiple of 16 bytes
+    v = vt.transpose(2, 3)  # (B, H, M, D) with the keys contiguous
+    seen = tensors.keys_last(v)
+    assert seen.data_ptr() == vt.data_ptr() and seen.shape == (2, 3, 64, 48)
+    copied = tensors.keys_last(v.contiguous())
+    assert copied.data_ptr() != vt.data_ptr() and copied.stride(-1) == 1
+    assert torch.equal(copied.view(torch.uint8), vt.view(torch.uint8))
+    odd = torch.randn(1, 2, 64, 40).to(E4M3).transpose(2, 3)  # rows of 40 bytes: not 16-byte aligned
+    assert tensors.keys_last(odd).data_ptr() != odd.data_ptr()
+
+
+@cpu_only
+def test_v_keys_last_gives_the_same_bits():
+    """attention_fp8 on a v laid out keys last (read in place) returns bitwise what it returns on the
+    same values laid out (B, H, M, D) (copied into that layout first)."""
+    q8, k8, v8, dq, dk, dv = problem(1, 4, 2, 40, 64, 32, seed=5)
+    v_keys_last = v8.transpose(2, 3).contiguous().transpose(2, 3)
+    assert v_keys_last.stride(-2) == 1
+    o, lse = flashattn.attention_fp8(q8, k8, v8, dq, dk, dv, causal=True, return_lse=True)
+    o2, lse2 = flashattn.attention_fp8(q8, k8, v_keys_last, dq, dk, dv, causal=True, return_lse=True)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
 @cpu_only
 @pytest.mark.parametrize("causal", [False, True])
 def test_equal_scores_leave_nothing_to_round(causal):
@@ -222,6 +250,61 @@ def test_gpu_kernel_within_the_float8_bound(shape, causal):
     again = flashattn.attention_fp8(q8, k8, v8, dq, dk, dv, causal=causal)
     assert torch.equal(o, again)
     assert fp8.OUT_DTYPE == o.dtype
+
+
+def _gluon_fp8_or_skip():
+    from flashattn import hopper
+
+    if torch.cuda.get_device_capability() != (9, 0) or not hopper.fwd.available():
+        pytest.skip("the Gluon forward needs an sm_90 GPU and Triton 3.6")
+    return hopper.fwd
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("walk", ["default", "one-tile-per-cta"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1000, 1500, 128), (1, 4, 4, 777, 777, 64), (1, 6, 3, 300, 4100, 128)])
+def test_gpu_gluon_kernel_within_the_float8_bound(shape, causal, walk):
+    """The Gluon forward's float8 path (V keys last, P through shared memory, 2^8 folded into the
+    pivot), called directly so that small shapes take it too, within the same bound."""
+    from flashattn import tensors
+
+    fwd = _gluon_fp8_or_skip()
+    q8, k8, v8, dq, dk, dv = problem(*shape, seed=12)
+    descales = torch.stack((dq, dk, dv)).contiguous()
+    knobs = {} if walk == "default" else dict(persistent=False)
+    o, lse = fwd.forward(q8, k8, tensors.keys_last(v8), causal, None, descales=descales, **knobs)
+    torch.cuda.synchronize()
+    assert o.dtype == torch.bfloat16
+    h_kv = shape[2]
+    assert_within_bound(o, lse, *(dequantized(x, d, h_kv).cpu() for x, d in ((q8, dq), (k8, dk), (v8, dv))), causal,
+                        mma_bits=10)
+    again, _ = fwd.forward(q8, k8, tensors.keys_last(v8), causal, None, descales=descales, **knobs)
+    assert torch.equal(o, again)
+
+
+@gpu
+@needs_cuda
+def test_gpu_attention_fp8_dispatches_large_problems_to_gluon(monkeypatch):
+    """attention_fp8 on a problem past the Gluon bar runs the Gluon kernel (and its result is within
+    the bound); with Gluon turned off it runs the portable kernel."""
+    from flashattn import _config
+
+    fwd = _gluon_fp8_or_skip()
+    calls = []
+    real = fwd.forward
+    monkeypatch.setattr(fwd, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    shape = (2, 8, 2, 1024, 2048, 128)  # 2^32 of work, past the bar without a mask
+    q8, k8, v8, dq, dk, dv = problem(*shape, seed=13)
+    o, lse = flashattn.attention_fp8(q8, k8, v8, dq, dk, dv, return_lse=True)
+    assert calls == [1]
+    deq = [dequantized(x, d, shape[2]).cpu() for x, d in ((q8, dq), (k8, dk), (v8, dv))]
+    assert_within_bound(o, lse, *deq, False, mma_bits=10)
+    with _config.tuning(gluon=False):
+        o2, lse2 = flashattn.attention_fp8(q8, k8, v8, dq, dk, dv, return_lse=True)
+    assert calls == [1]
+    assert_within_bound(o2, lse2, *deq, False, mma_bits=10)
 
 
 def test_benchmark_table_reads_its_rows():

@@ -440,6 +440,16 @@ def test_gluon_kernels_run_only_where_the_rule_says(monkeypatch):
         assert not _config.gluon_kernel("fwd", _problem(**variant), gpu0), variant
         assert not _config.gluon_kernel("bwd_dkdv", _problem(**variant), gpu0), variant
         assert not _config.gluon_kernel("bwd_dq", _problem(**variant), gpu0), variant
+    # float8 inputs (flashattn.fp8): the forward at GLUON_FP8_HEAD_DIMS from GLUON_FP8_MIN_WORK; no
+    # backward (there is none), no D = 256 and no window
+    for d in _config.GLUON_FP8_HEAD_DIMS:
+        for causal, bar in zip((False, True), _config.GLUON_FP8_MIN_WORK):
+            n = bar // (2 * 8 * 4096 * d)
+            assert _config.gluon_kernel("fwd", _problem(n=n, m=4096, d=d, causal=causal, descale=True), gpu0)
+            assert not _config.gluon_kernel("fwd", _problem(n=n - 1, m=4096, d=d, causal=causal, descale=True), gpu0)
+    assert not _config.gluon_kernel("fwd", _problem(d=256, descale=True), gpu0)
+    assert not _config.gluon_kernel("fwd", _problem(descale=True, window=(128, 0)), gpu0)
+    assert not any(_config.gluon_kernel(kernel, _problem(descale=True), gpu0) for kernel in ("bwd_dkdv", "bwd_dq"))
     for scale in (0.0, -0.125):  # the Gluon kernels assume a positive scale (the row maximum's side)
         assert not any(_config.gluon_kernel(kernel, _problem(scale=scale), gpu0) for kernel in ("fwd", "bwd_dkdv", "bwd_dq"))
     assert _config.gluon_kernel("fwd", _problem(scale=1e-3), gpu0)

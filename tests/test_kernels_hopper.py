@@ -350,6 +350,33 @@ def test_hopper_forward_host_code_launches_the_walk_it_describes(monkeypatch, d,
         assert record.counters == [again]  # a recipe made from it makes each replay's own
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_forward_host_code_launches_float8(monkeypatch, causal):
+    """The float8 launch on the CPU (kernel, descriptors, SM count stubbed): FP8 on, V read keys last
+    in [D, BLOCK_N] tiles, the factors passed, a bfloat16 o, and the float8 tiles (256-key blocks in two
+    stages without a mask, 128-key blocks in three under causal)."""
+    from flashattn import hopper, tensors
+
+    launches = []
+    _stub_gluon_forward_launch(monkeypatch, launches)
+    q, k, v = (torch.randn(2, 8, 1024, 128).to(torch.float8_e4m3fn) for _ in range(3))
+    descales = torch.rand(3, 2, 8) + 0.5
+    o, lse = hopper.fwd.forward(q, k, tensors.keys_last(v), causal, descales=descales)
+    assert o.dtype == torch.bfloat16 and o.shape == q.shape and lse.shape == (2, 8, 1024)
+    [(_, _, args, constexprs)] = launches
+    block_n, stages = (128, 3) if causal else (256, 2)
+    assert constexprs["FP8"] and constexprs["BLOCK_N"] == block_n and constexprs["STAGES"] == stages
+    assert args[2] == ("desc", 128, block_n)  # v: [D, keys] tiles
+    assert args[1] == ("desc", block_n, None) and args[-1] is descales
+    with pytest.raises(AssertionError):  # a float8 v not keys last
+        hopper.fwd.forward(q, k, v, causal, descales=descales)
+    with pytest.raises(AssertionError):  # D = 256: O has no room in the float8 kernel
+        q2, k2, v2 = (torch.zeros(1, 1, 64, 256).to(torch.float8_e4m3fn) for _ in range(3))
+        hopper.fwd.forward(q2, k2, tensors.keys_last(v2), causal, descales=torch.ones(3, 1, 1))
+    hopper.fwd.forward(*(x.to(torch.bfloat16) for x in (q, k, v)), causal)  # 16-bit: FP8 off, the unused pointer is lse
+    assert not launches[-1][3]["FP8"] and launches[-1][2][-1] is launches[-1][2][4]
+
+
 def test_an_sm_margin_leaves_sms_free_in_persistent_walks_only(monkeypatch):
     """Under ``_config.sm_margin(k)`` a persistent forward launches k CTAs fewer than the SMs (at least
     one), a launch of one CTA per block is unchanged, and the block is not one a recipe may record."""

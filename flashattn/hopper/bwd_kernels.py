@@ -245,7 +245,7 @@ def _dq_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_sme
         tma.async_copy_global_to_shared(do_desc, [b, hq, m0 + c * HALF, 0], qdo_bar,
                                         do_smem.index(c).reshape([1, 1, HALF, HEAD_DIM]))
     load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, b, hkv, n_total, 0,
-                 BLOCK_N, HEAD_DIM, STAGES)
+                 BLOCK_N, HEAD_DIM, STAGES, False)
 
 
 @gluon.jit

@@ -13,7 +13,8 @@
   causal, after the row's last visible key (query i sees key j iff j <= i + q_off, q_off = M - N);
 * ``load_kv_ring(..., n_total, base, ...)`` is the producer's loop: K and V tiles of ``BLOCK_N`` keys
   of one K/V head into a ring of ``STAGES`` slots, each slot refilled once both consumers released
-  it; ``base`` is the number of fills the ring took before (a persistent CTA's earlier tiles).
+  it; ``base`` is the number of fills the ring took before (a persistent CTA's earlier tiles). With
+  ``V_KEYS_LAST`` v is read as (B, Hkv, D, M) in [D, BLOCK_N] tiles (the float8 forward's layout).
 
 Like the kernels, this module imports Gluon at its top; the host modules import it only at a launch.
 """
@@ -69,8 +70,9 @@ def masked_scores(s, n0, row0, M, q_off, CAUSAL: gl.constexpr, HALF: gl.constexp
 
 @gluon.jit
 def load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, b, hkv, n_total, base,
-                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    KV_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * 2
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, V_KEYS_LAST: gl.constexpr):
+    # V_KEYS_LAST: v is laid out (B, Hkv, D, M) and its tiles are [HEAD_DIM, BLOCK_N] (the float8 forward)
+    KV_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * (k_desc.dtype.primitive_bitwidth // 8)
     for i in range(n_total):
         # the ring's (base + i)-th fill: base counts the fills of the CTA's earlier tiles
         s = (base + i) % STAGES
@@ -83,5 +85,9 @@ def load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empt
                                         k_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]))
         mbarrier.wait(v_empty.index(s), ph)
         mbarrier.expect(v_full.index(s), KV_BYTES)
-        tma.async_copy_global_to_shared(v_desc, [b, hkv, i * BLOCK_N, 0], v_full.index(s),
-                                        v_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+        if V_KEYS_LAST:
+            tma.async_copy_global_to_shared(v_desc, [b, hkv, 0, i * BLOCK_N], v_full.index(s),
+                                            v_smem.index(s).reshape([1, 1, HEAD_DIM, BLOCK_N]))
+        else:
+            tma.async_copy_global_to_shared(v_desc, [b, hkv, i * BLOCK_N, 0], v_full.index(s),
+                                            v_smem.index(s).reshape([1, 1, BLOCK_N, HEAD_DIM]))

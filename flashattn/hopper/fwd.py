@@ -20,15 +20,23 @@ HALF_M = 64            # query rows per consumer warpgroup
 MAXNREG = 168          # per-thread register cap of the whole kernel (see fwd_kernels' docstring)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
+FP8_HEAD_DIMS = (64, 128)  # float8 inputs: O has no room in the Q buffer at D = 256 (it is 16-bit there)
 
 
 
-def _config(head_dim: int):
+def _config(head_dim: int, fp8: bool = False, causal: bool = False):
     """(BLOCK_N, STAGES, PINGPONG) for a head dim. The K+V ring plus the two Q halves must fit the
     227 KB of shared memory; BLOCK_N must be a power of two (192 is not expressible), and 256 spills
     at D=64. A deeper ring, 64-key blocks where 128 fit and ping-pong ordering are no faster, so the
     ring has two stages and ping-pong is off by default (``forward(..., pingpong=True)`` turns it on;
-    docs/kernels/tuning-log.md#a-hopper-forward-in-gluon-issue-15-dispatched-in-the-next-section)."""
+    docs/kernels/tuning-log.md#a-hopper-forward-in-gluon-issue-15-dispatched-in-the-next-section).
+    Float8 tiles take half the bytes: 256-key blocks in two stages without a mask, 128-key blocks in
+    three under causal, whose diagonal blocks mask more keys the wider they are
+    (docs/kernels/tuning-log.md#a-float8-gluon-forward-issue-46)."""
+    if fp8:
+        # D = 128 without a mask: Q 32 KB, O 32 KB, P 32 KB + 2 * (32 + 32) KB = 224 KB;
+        # causal (one Q buffer): 16 + 32 + 16 + 3 * (16 + 16) = 160 KB
+        return (128, 3, False) if causal else (256, 2, False)
     if head_dim == 64:
         return 128, 2, False   # Q 16 KB + 2 * (16 + 16) KB = 80 KB
     if head_dim == 256:
@@ -122,7 +130,7 @@ def triton_version_ok() -> bool:
 
 
 def supported(q, k, v, causal: bool = False) -> bool:
-    """True when :func:`forward` handles these inputs on this machine (Hopper sm_90, Triton 3.6)."""
+    """True when :func:`forward` handles these 16-bit inputs on this machine (Hopper sm_90, Triton 3.6)."""
     try:
         import torch
     except Exception:
@@ -191,23 +199,25 @@ def require(get_kernel, what: str):
     return kernel
 
 
-def descriptor(t, rows: int):
-    """A Gluon TMA descriptor of the 4-d tensor ``t`` (B, H, L, D) read in [1, 1, rows, D] tiles, with
-    its own strides (the head dim must be contiguous and the other strides 16-byte aligned)."""
+def descriptor(t, rows: int, cols: int | None = None):
+    """A Gluon TMA descriptor of the 4-d tensor ``t`` (B, H, L, D) read in [1, 1, rows, cols] tiles
+    (cols = D when None), with its own strides (the last dim must be contiguous and the other strides
+    16-byte aligned)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    block = [1, 1, rows, t.shape[-1]]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _shared_layout(rows, t.shape[-1], t.dtype))
+    cols = t.shape[-1] if cols is None else cols
+    block = [1, 1, rows, cols]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _shared_layout(rows, cols, t.dtype))
 
 
 @functools.lru_cache(maxsize=None)
-def _shared_layout(rows: int, head_dim: int, dtype):
-    """The shared-memory layout (swizzle) of a [1, 1, rows, head_dim] tile: the same for every call."""
+def _shared_layout(rows: int, cols: int, dtype):
+    """The shared-memory layout (swizzle) of a [1, 1, rows, cols] tile: the same for every call."""
     import torch
     import triton.experimental.gluon.language as gl
 
-    gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gdt)
+    gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], gdt)
 
 
 def launch(kernel, grid: int, args: tuple, constexprs: dict, warps: int = 4, record=None) -> None:
@@ -225,8 +235,12 @@ def launch(kernel, grid: int, args: tuple, constexprs: dict, warps: int = 4, rec
 def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong: bool | None = None,
             block_n: int | None = None, stages: int | None = None, out=None, persistent: bool | None = None,
             dynamic: bool | None = None, section: int | None = None, q_buffers: int | None = None,
-            record=None):
+            record=None, descales=None):
     """FlashAttention forward on Hopper: returns (o, lse) with o like q and lse float32 (B, Hq, N).
+
+    Float8 (e4m3) q, k, v come with ``descales``, float32 (3, B, Hkv) contiguous (q's, k's and v's
+    factors, :mod:`flashattn.fp8`), and v laid out keys last, (B, Hkv, D, M)
+    (:func:`flashattn.tensors.keys_last`); o is then bfloat16 (or ``out``'s 16-bit dtype), at D = 64 or 128.
 
     ``scale`` defaults to 1/sqrt(D). The rest are tuning knobs: ``pingpong``, ``block_n`` and
     ``stages`` default to :func:`_config`'s, ``persistent`` and ``dynamic`` to
@@ -248,15 +262,20 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     kernel = require(_get_kernel, "forward")
     B, Hq, N, D = q.shape
     Bk, Hkv, M, Dk = k.shape
-    assert v.shape == k.shape and Bk == B and Dk == D and Hq % Hkv == 0
-    assert D in (64, 128, 256) and q.dtype in (torch.float16, torch.bfloat16)
+    fp8 = descales is not None
+    assert v.shape == ((B, Hkv, D, M) if fp8 else k.shape) and Bk == B and Dk == D and Hq % Hkv == 0
+    if fp8:
+        assert D in FP8_HEAD_DIMS and q.dtype == torch.float8_e4m3fn and descales.shape == (3, B, Hkv)
+    else:
+        assert D in (64, 128, 256) and q.dtype in (torch.float16, torch.bfloat16)
     assert k.dtype == q.dtype and v.dtype == q.dtype
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     assert scale > 0, "the kernel takes row maxima of unscaled scores: scale must be positive"
     # TMA addresses the tensors in place when the head dim is contiguous and the start and strides are 16-byte aligned
     q, k, v = (x if describable(x) else x.contiguous() for x in (q, k, v))
-    o = torch.empty((B, Hq, N, D), device=q.device, dtype=q.dtype) if out is None else out
+    o_dtype = torch.bfloat16 if fp8 else q.dtype
+    o = torch.empty((B, Hq, N, D), device=q.device, dtype=o_dtype) if out is None else out
     lse = torch.empty((B, Hq, N), device=q.device, dtype=torch.float32)
     if B * Hq * N == 0:
         return o, lse
@@ -264,7 +283,7 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
         o.zero_()
         lse.fill_(-math.inf)
         return o, lse
-    cfg_n, cfg_stages, cfg_pp = _config(D)
+    cfg_n, cfg_stages, cfg_pp = _config(D, fp8, causal)
     block_n = block_n or cfg_n
     stages = stages or cfg_stages
     pingpong = cfg_pp if pingpong is None else pingpong
@@ -284,8 +303,8 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     elif q_buffers is None:
         q_buffers = q_buffers_default(D, causal)
     assert q_buffers in (1, 2) and (q_buffers == 1 or D <= 128), "two Q buffers fit shared memory up to D = 128"
-    q_desc, k_desc, v_desc, o_desc = (descriptor(q, HALF_M), descriptor(k, block_n), descriptor(v, block_n),
-                                      descriptor(o, HALF_M))
+    v_desc = descriptor(v, D, block_n) if fp8 else descriptor(v, block_n)
+    q_desc, k_desc, o_desc = descriptor(q, HALF_M), descriptor(k, block_n), descriptor(o, HALF_M)
     # A dynamic walk's tile counter, zeroed for this call (flashattn.tensors.tile_counter), so that
     # calls on different streams, or the replays of a captured graph, never share one.
     counter = tile_counter(q.device) if dynamic else lse
@@ -293,9 +312,9 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
         record.add_counter(counter)
     launch(kernel, ctas,
            (q_desc, k_desc, v_desc, o_desc, lse, counter, B * Hq, Hq, Hq // Hkv, N, M, section,
-            float(scale) * LOG2E),
+            float(scale) * LOG2E, descales if fp8 else lse),
            dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), DYNAMIC=dynamic,
                 PINGPONG=bool(pingpong), PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS,
-                QBUFS=q_buffers), record=record)
+                QBUFS=q_buffers, FP8=fp8), record=record)
     return o, lse
 

@@ -53,6 +53,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from flashattn.hopper.common import load_kv_ring, masked_scores, tile_coords
 
+# float8 P is rounded as 2^P_LOG2_SCALE P (flashattn.forward.FP8_P_SCALE = 2^8 in the portable kernel)
+P_LOG2_SCALE = gl.constexpr(8.0)
+
 
 @gluon.jit
 def _put_tile(tile_ids, t, tile):
@@ -87,7 +90,7 @@ def _wait_q_free(q_empty, t, QBUFS: gl.constexpr):
 
 @gluon.jit
 def _load_q_half(q_desc, q_bars, q_smem, slot, b, hq, row, HALF: gl.constexpr, HEAD_DIM: gl.constexpr):
-    mbarrier.expect(q_bars.index(slot), HALF * HEAD_DIM * 2)
+    mbarrier.expect(q_bars.index(slot), HALF * HEAD_DIM * (q_desc.dtype.primitive_bitwidth // 8))
     tma.async_copy_global_to_shared(q_desc, [b, hq, row, 0], q_bars.index(slot),
                                     q_smem.index(slot).reshape([1, 1, HALF, HEAD_DIM]))
 
@@ -96,7 +99,7 @@ def _load_q_half(q_desc, q_bars, q_smem, slot, b, hq, row, HALF: gl.constexpr, H
 def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full, k_empty,
                   v_empty, tile_ids, tile, t, kv, BH, HQ, GROUP, N, M, SECTION,
                   CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, QBUFS: gl.constexpr):
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, QBUFS: gl.constexpr, FP8: gl.constexpr):
     # The CTA's t-th tile: its Q halves into Q buffer t % QBUFS (once the consumers are done
     # with the tile that used it last), then its K and V tiles into the ring. Returns the number
     # of ring fills it took.
@@ -118,7 +121,7 @@ def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empt
         for c in gl.static_range(2):
             _load_q_half(q_desc, q_bars, q_smem, _q_slot(t, c, QBUFS), b, hq, m0 + c * HALF, HALF, HEAD_DIM)
     load_kv_ring(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, b, hkv, n_total, kv,
-                 BLOCK_N, HEAD_DIM, STAGES)
+                 BLOCK_N, HEAD_DIM, STAGES, FP8)
     return n_total
 
 
@@ -127,7 +130,7 @@ def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empt
 def _fa_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full, k_empty,
                  v_empty, tile_ids, counter_ptr, BH, HQ, GROUP, N, M, SECTION,
                  CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, QBUFS: gl.constexpr):
+                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, QBUFS: gl.constexpr, FP8: gl.constexpr):
     # One warp: the CTA's tiles, whose K/V ring fills carry on from tile to tile. A static walk
     # takes tiles pid, pid + grid, ...; a dynamic one takes its first tile by program id and each
     # next one from a counter shared by all CTAs, so a CTA that drew short tiles draws more.
@@ -140,7 +143,7 @@ def _fa_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty
         while tile < tiles:
             kv += _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full,
                                 k_empty, v_empty, tile_ids, tile, t, kv, BH, HQ, GROUP, N, M, SECTION,
-                                CAUSAL, DYNAMIC, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS)
+                                CAUSAL, DYNAMIC, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS, FP8)
             t += 1
             drawn = gl.atomic_add(counter_ptr, 1, sem="relaxed")
             tile = gl.num_programs(0) + drawn
@@ -159,7 +162,7 @@ def _fa_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
             kv += _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full,
                                 k_empty, v_empty, tile_ids, tile, t, kv, BH, HQ, GROUP, N, M, SECTION,
-                                CAUSAL, DYNAMIC, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS)
+                                CAUSAL, DYNAMIC, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS, FP8)
             t += 1
 # --8<-- [end:gluon-fwd-dynamic]
 
@@ -167,7 +170,7 @@ def _fa_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty
 @gluon.jit
 def _fa_softmax(s, m_i, l_i, n0, row0, M, q_off, qk_scale,
                 MASK: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
-                s_layout: gl.constexpr):
+                s_layout: gl.constexpr, FP8: gl.constexpr):
     # s: raw scores q.k [HALF, BLOCK_N] (fp32, wgmma layout); qk_scale = scale * log2(e) > 0.
     # Returns (p fp32, alpha, m_new, l_new) with m in base-2 scaled units; s * qk_scale - m is
     # one FMA per score.
@@ -175,18 +178,56 @@ def _fa_softmax(s, m_i, l_i, n0, row0, M, q_off, qk_scale,
         s = masked_scores(s, n0, row0, M, q_off, CAUSAL, HALF, BLOCK_N, s_layout)
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    if FP8:
+        # 2^8 P, ready for float8's rounding (docs/kernels/fp8.md): the pivot moves down by 8, a
+        # per-row subtraction, and l sums 2^8 P too, so o = acc / l cancels the factor exactly
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new - P_LOG2_SCALE, 1))
+    else:
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new
 
 
+# P V with float8 operands: the float8 tensor cores read V with keys contiguous, so the float8 V tiles
+# arrive [HEAD_DIM, BLOCK_N] and are read transposed; P goes through shared memory (p_buf, one
+# [HALF, BLOCK_N] buffer per consumer), since Triton 3.6 cannot keep 8-bit register operands of an
+# asynchronous product alive across its wait. 16-bit P stays in registers.
+@gluon.jit
+def _pv_product(p, p_buf, v_smem, idx, acc, FP8: gl.constexpr):
+    if FP8:
+        return warpgroup_mma(p_buf, v_smem.index(idx).permute((1, 0)), acc, is_async=True)
+    else:
+        return warpgroup_mma(p, v_smem.index(idx), acc, is_async=True)
+
+
+@gluon.jit
+def _pv_wait(acc_tok, p, FP8: gl.constexpr):
+    # (acc, p) once the P V product has completed
+    if FP8:
+        return warpgroup_mma_wait(0, deps=(acc_tok, )), p
+    else:
+        return warpgroup_mma_wait(0, deps=(acc_tok, p))
+
+
+@gluon.jit
+def _p_operand(p32, p, p_buf, p_layout: gl.constexpr, FP8: gl.constexpr):
+    # The next P V product's P: rounded to the input dtype, in registers (16-bit) or in p_buf
+    # (float8, once the last product that read p_buf has completed; p is then passed through)
+    if FP8:
+        p_buf.store(p32.to(p_buf.dtype))
+        fence_async_shared()
+        return p
+    else:
+        return gl.convert_layout(p32.to(p_buf.dtype), p_layout)
+
+
 # --8<-- [start:gluon-fwd-step]
 @gluon.jit
-def _fa_step(i, kv, q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn_mine, turn_other,
+def _fa_step(i, kv, q, k_smem, v_smem, p_buf, k_full, v_full, k_empty, v_empty, turn_mine, turn_other,
              m_i, l_i, p, acc, row0, M, q_off, qk_scale,
              CONSUMER: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
              HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+             s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr):
     # Key block i: S_i = Q K_i^T and O += P_{i-1} V_{i-1}, softmax of S_i under the P V product.
     # Block i is the ring's fill kv + i (kv: the fills of this CTA's earlier tiles).
     s_idx = (kv + i) % STAGES
@@ -201,35 +242,39 @@ def _fa_step(i, kv, q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn_mi
         mbarrier.wait(turn_mine, (i & 1) ^ (1 - CONSUMER))
     s_tok = warpgroup_mma(q, k_smem.index(s_idx).permute((1, 0)),
                           gl.zeros([HALF, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-    acc_tok = warpgroup_mma(p, v_smem.index(v_idx), acc, is_async=True)
+    acc_tok = _pv_product(p, p_buf, v_smem, v_idx, acc, FP8)
     if PINGPONG:
         mbarrier.arrive(turn_other)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(s_idx))
     p_new, alpha, m_i, l_i = _fa_softmax(s, m_i, l_i, i * BLOCK_N, row0, M, q_off, qk_scale, MASK, CAUSAL, HALF,
-                                         BLOCK_N, s_layout)
-    acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
+                                         BLOCK_N, s_layout, FP8)
+    acc, p = _pv_wait(acc_tok, p, FP8)
     mbarrier.arrive(v_empty.index(v_idx))
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p = gl.convert_layout(p_new.to(q.dtype), p_layout)
+    p = _p_operand(p_new, p, p_buf, p_layout, FP8)
     return m_i, l_i, p, acc
 # --8<-- [end:gluon-fwd-step]
 
 
 @gluon.jit
-def _fa_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
-             o_desc, lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, t, kv, qk_scale,
+def _fa_tile(q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
+             o_desc, lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, t, kv, qk_scale, o_scale,
              CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr,
              HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-             QBUFS: gl.constexpr):
+             QBUFS: gl.constexpr, FP8: gl.constexpr):
     # One warpgroup, one tile: query rows [m0 + CONSUMER * HALF, + HALF) of the CTA's tile number
     # t, whose key blocks are the ring's fills kv, kv + 1, ..., and whose Q half is in Q buffer
     # t % QBUFS.
+    # wgmma's k per instruction: 32 bytes of the inputs (16 for 16-bit inputs, 32 for float8)
+    INSTR_K: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, INSTR_K])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, HEAD_DIM, INSTR_K])
+    # P as the register operand: 32 bits of consecutive k per thread (two 16-bit or four 8-bit values)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                 k_width=32 // q_smem.dtype.primitive_bitwidth)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
@@ -240,6 +285,7 @@ def _fa_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_
 
     qi = _q_slot(t, CONSUMER, QBUFS)
     q = q_smem.index(qi)
+    p_buf = p_smem.index(CONSUMER)
     mbarrier.wait(q_bars.index(qi), (t // QBUFS) & 1)
 
     m_i = gl.full([HALF], -1.0e30, gl.float32, row_s)
@@ -257,18 +303,18 @@ def _fa_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(kv % STAGES))
         p32, alpha, m_i, l_i = _fa_softmax(s, m_i, l_i, 0, row0, M, q_off, qk_scale, True, CAUSAL, HALF, BLOCK_N,
-                                           s_layout)
-        p = gl.convert_layout(p32.to(q.dtype), p_layout)
+                                           s_layout, FP8)
+        p = _p_operand(p32, gl.zeros([HALF, HEAD_DIM], q.dtype, p_layout), p_buf, p_layout, FP8)
         # Key blocks every row of this CTA sees in full: no mask.
         for i in range(1, n_full):
-            m_i, l_i, p, acc = _fa_step(i, kv, q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn_mine,
+            m_i, l_i, p, acc = _fa_step(i, kv, q, k_smem, v_smem, p_buf, k_full, v_full, k_empty, v_empty, turn_mine,
                                         turn_other, m_i, l_i, p, acc, row0, M, q_off, qk_scale, CONSUMER, False,
-                                        CAUSAL, PINGPONG, HALF, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
+                                        CAUSAL, PINGPONG, HALF, BLOCK_N, STAGES, s_layout, o_layout, p_layout, FP8)
         # Diagonal and ragged key blocks: masked.
         for i in range(gl.maximum(n_full, 1), n_total):
-            m_i, l_i, p, acc = _fa_step(i, kv, q, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn_mine,
+            m_i, l_i, p, acc = _fa_step(i, kv, q, k_smem, v_smem, p_buf, k_full, v_full, k_empty, v_empty, turn_mine,
                                         turn_other, m_i, l_i, p, acc, row0, M, q_off, qk_scale, CONSUMER, True,
-                                        CAUSAL, PINGPONG, HALF, BLOCK_N, STAGES, s_layout, o_layout, p_layout)
+                                        CAUSAL, PINGPONG, HALF, BLOCK_N, STAGES, s_layout, o_layout, p_layout, FP8)
         if not O_IN_Q:
             # Every S product of this tile has completed: the producer may load the next tile's
             # Q half while this consumer finishes the tile.
@@ -279,19 +325,23 @@ def _fa_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_
         mbarrier.wait(v_full.index(v_idx), (j // STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(turn_mine, (n_total & 1) ^ (1 - CONSUMER))
-        acc_tok = warpgroup_mma(p, v_smem.index(v_idx), acc, is_async=True)
+        acc_tok = _pv_product(p, p_buf, v_smem, v_idx, acc, FP8)
         if PINGPONG:
             mbarrier.arrive(turn_other)
-        acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
+        acc, p = _pv_wait(acc_tok, p, FP8)
         mbarrier.arrive(v_empty.index(v_idx))
     elif not O_IN_Q:
         mbarrier.arrive(q_empty.index(qi))  # no key: Q was never read
 
     # o = acc / l (0 where the row saw nothing: then acc is 0 too), one reciprocal per row;
-    # lse = ln2 * (m + log2 l).
+    # lse = ln2 * (m + log2 l). Float8: o also takes v's factor, and l held 2^8 times the sum.
     l_o = gl.convert_layout(l_i, row_o)
-    o = acc * gl.expand_dims(1.0 / gl.where(l_o == 0.0, 1.0, l_o), 1)
-    lse = gl.where(l_i == 0.0, -float("inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    if FP8:
+        o = acc * gl.expand_dims(o_scale / gl.where(l_o == 0.0, 1.0, l_o), 1)
+        lse = gl.where(l_i == 0.0, -float("inf"), (m_i + gl.log2(l_i) - P_LOG2_SCALE) * 0.6931471805599453)
+    else:
+        o = acc * gl.expand_dims(1.0 / gl.where(l_o == 0.0, 1.0, l_o), 1)
+        lse = gl.where(l_i == 0.0, -float("inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
     rows = row0 + gl.arange(0, HALF, layout=row_s)
     gl.store(lse_ptr + bh.to(gl.int64) * N + rows, lse, mask=rows < N)
     # O leaves through shared memory by TMA, which clips rows >= N: through the dead Q tile where
@@ -306,33 +356,44 @@ def _fa_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_
     else:
         o_buf = o_smem.index(CONSUMER)
         tma.store_wait(0)
-        o_buf.store(o.to(q.dtype))
+        o_buf.store(o.to(o_buf.dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [b, hq, row0, 0], o_buf.reshape([1, 1, HALF, HEAD_DIM]))
 
 
 @gluon.jit
-def _consume_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
-                  o_desc, lse_ptr, tile, t, kv, BH, HQ, GROUP, N, M, SECTION, qk_scale,
+def _consume_tile(q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
+                  o_desc, lse_ptr, descale_ptr, tile, t, kv, BH, HQ, GROUP, N, M, SECTION, qk_scale,
                   CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr,
                   HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  QBUFS: gl.constexpr):
+                  QBUFS: gl.constexpr, FP8: gl.constexpr):
     # The CTA's t-th tile, number `tile`; returns the ring fills it took.
     b, hq, hkv, bh, m0, n_total, n_full = tile_coords(tile, BH, N, M, HQ, GROUP, SECTION, 2 * HALF, BLOCK_N,
                                                       CAUSAL)
-    _fa_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
-             o_desc, lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, t, kv, qk_scale,
-             CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS)
+    if FP8:
+        # float8 q, k, v hold x / descale per (batch, K/V head); descale_ptr is float32 (3, B, Hkv):
+        # q's and k's factors join the score scale, v's multiplies the output
+        heads_kv = HQ // GROUP
+        per_tensor = (BH // HQ) * heads_kv
+        factors = descale_ptr + b * heads_kv + hkv
+        tile_scale = qk_scale * gl.load(factors) * gl.load(factors + per_tensor)
+        o_scale = gl.load(factors + 2 * per_tensor)
+    else:
+        tile_scale = qk_scale
+        o_scale = 1.0
+    _fa_tile(q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
+             o_desc, lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, t, kv, tile_scale, o_scale,
+             CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS, FP8)
     return n_total
 
 
 # --8<-- [start:gluon-fwd-persistent]
 @gluon.jit
-def _fa_consumer(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
-                 tile_ids, o_desc, lse_ptr, BH, HQ, GROUP, N, M, SECTION, qk_scale,
+def _fa_consumer(q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
+                 tile_ids, o_desc, lse_ptr, descale_ptr, BH, HQ, GROUP, N, M, SECTION, qk_scale,
                  CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr,
                  O_IN_Q: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 STAGES: gl.constexpr, QBUFS: gl.constexpr):
+                 STAGES: gl.constexpr, QBUFS: gl.constexpr, FP8: gl.constexpr):
     # The CTA's tiles in the producer's order: pid, pid + grid, ... (one tile unless the launch is
     # persistent, with fewer CTAs than tiles), or with a dynamic walk the tiles the producer drew.
     tiles = BH * gl.cdiv(N, 2 * HALF)
@@ -341,16 +402,18 @@ def _fa_consumer(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full
     if DYNAMIC:
         tile = _get_tile(tile_ids, q_bars, t, CONSUMER, QBUFS)
         while tile < tiles:
-            kv += _consume_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
-                                turn_bars, o_desc, lse_ptr, tile, t, kv, BH, HQ, GROUP, N, M, SECTION, qk_scale,
-                                CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS)
+            kv += _consume_tile(q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
+                                turn_bars, o_desc, lse_ptr, descale_ptr, tile, t, kv, BH, HQ, GROUP, N, M, SECTION,
+                                qk_scale, CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS,
+                                FP8)
             t += 1
             tile = _get_tile(tile_ids, q_bars, t, CONSUMER, QBUFS)
     else:
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-            kv += _consume_tile(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
-                                turn_bars, o_desc, lse_ptr, tile, t, kv, BH, HQ, GROUP, N, M, SECTION, qk_scale,
-                                CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS)
+            kv += _consume_tile(q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
+                                turn_bars, o_desc, lse_ptr, descale_ptr, tile, t, kv, BH, HQ, GROUP, N, M, SECTION,
+                                qk_scale, CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS,
+                                FP8)
             t += 1
     tma.store_wait(0)
 # --8<-- [end:gluon-fwd-persistent]
@@ -358,14 +421,19 @@ def _fa_consumer(q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full
 
 @gluon.jit
 def _fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, counter_ptr,
-                   BH, HQ, GROUP, N, M, SECTION, qk_scale,
+                   BH, HQ, GROUP, N, M, SECTION, qk_scale, descale_ptr,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr,
-                   PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, QBUFS: gl.constexpr):
+                   PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, QBUFS: gl.constexpr,
+                   FP8: gl.constexpr):
     HALF: gl.constexpr = 64
     dtype: gl.constexpr = q_desc.dtype
+    # FP8: float8 q, k, v with their descale factors (descale_ptr, unread otherwise), V laid out
+    # (B, Hkv, D, M), and a 16-bit o (o_desc's dtype)
+    out_dtype: gl.constexpr = o_desc.dtype
     # O has a staging buffer of its own unless that would overflow shared memory (D = 256)
     O_IN_Q: gl.constexpr = HEAD_DIM > 128
+    gl.static_assert(not (FP8 and O_IN_Q))
 
     smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
@@ -375,9 +443,20 @@ def _fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, counter_ptr,
     if O_IN_Q:
         o_smem = q_smem
     else:
-        o_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_layout)
+        o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], out_dtype)
+        o_smem = gl.allocate_shared_memory(out_dtype, [2, HALF, HEAD_DIM], o_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
+    if FP8:
+        vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], dtype)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_DIM, BLOCK_N], vt_layout)
+    else:
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
+    if FP8:
+        # each consumer's float8 P, the P V product's first operand (_pv_product)
+        p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_N], dtype)
+        p_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_N], p_smem_layout)
+    else:
+        p_smem = q_smem  # unused: 16-bit P is a register operand
     q_bars = gl.allocate_shared_memory(gl.int64, [2 * QBUFS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2 * QBUFS, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -399,13 +478,13 @@ def _fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, counter_ptr,
     fence_async_shared()
 
     gl.warp_specialize([
-        (_fa_consumer, (q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
-                        turn_bars, tile_ids, o_desc, lse_ptr, BH, HQ, GROUP, N, M, SECTION, qk_scale, 0, CAUSAL,
-                        DYNAMIC, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS)),
-        (_fa_consumer, (q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
-                        turn_bars, tile_ids, o_desc, lse_ptr, BH, HQ, GROUP, N, M, SECTION, qk_scale, 1, CAUSAL,
-                        DYNAMIC, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS)),
+        (_fa_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
+                        turn_bars, tile_ids, o_desc, lse_ptr, descale_ptr, BH, HQ, GROUP, N, M, SECTION, qk_scale, 0,
+                        CAUSAL, DYNAMIC, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS, FP8)),
+        (_fa_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
+                        turn_bars, tile_ids, o_desc, lse_ptr, descale_ptr, BH, HQ, GROUP, N, M, SECTION, qk_scale, 1,
+                        CAUSAL, DYNAMIC, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS, FP8)),
         (_fa_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full, k_empty,
                         v_empty, tile_ids, counter_ptr, BH, HQ, GROUP, N, M, SECTION, CAUSAL, DYNAMIC, HALF,
-                        BLOCK_N, HEAD_DIM, STAGES, QBUFS)),
+                        BLOCK_N, HEAD_DIM, STAGES, QBUFS, FP8)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
