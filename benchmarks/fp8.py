@@ -4,7 +4,9 @@
 
 For each shape (B, H, N = M, D, causal or not): ``flashattn.attention`` on bfloat16 inputs, the
 same inputs quantized to e4m3 through ``flashattn.attention_fp8`` (per-(batch, K/V head) factors),
-and ``scaled_dot_product_attention`` with the cuDNN backend on the bfloat16 inputs (and on float8 ones,
+once with v laid out (B, H, M, D), which the call copies keys last, and once with v quantized keys
+last (the transpose of a (B, H, D, M) tensor), which it reads in place, and
+``scaled_dot_product_attention`` with the cuDNN backend on the bfloat16 inputs (and on float8 ones,
 recorded as an error where SDPA refuses them). Forward only, no grad, median of
 ``triton.testing.do_bench``; TFLOP/s by flashattn.cost's convention. Each output's largest
 difference from float64 attention of what the provider was given (the dequantized values for float8)
@@ -21,8 +23,8 @@ import sys
 
 import torch
 
-SHAPES = [(4, 16, n, 128, causal) for n in (4096, 16384) for causal in (False, True)] + \
-         [(4, 16, 8192, 64, False), (4, 16, 8192, 256, False)]
+SHAPES = [(4, 16, n, 128, causal) for n in (4096, 8192, 16384) for causal in (False, True)] + \
+         [(4, 16, 8192, 64, causal) for causal in (False, True)] + [(4, 16, 8192, 256, False)]
 
 
 def _quantize(x: torch.Tensor):
@@ -51,10 +53,13 @@ def measure(b, h, n, d, causal) -> dict:
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     (q8, dq), (k8, dk), (v8, dv) = (_quantize(x) for x in (q, k, v))
     deq = [x.float() * s[:, :, None, None] for x, s in ((q8, dq), (k8, dk), (v8, dv))]
+    v8_keys_last = v8.transpose(2, 3).contiguous().transpose(2, 3)  # as a quantizer could write it
     flops = cost.attention_flops(b, h, n, n, d, causal=causal, mode="fwd")
     runs = {
         "flashattn_bf16": (lambda: flashattn.attention(q, k, v, causal=causal), (q, k, v)),
         "flashattn_fp8": (lambda: flashattn.attention_fp8(q8, k8, v8, dq, dk, dv, causal=causal), deq),
+        "flashattn_fp8_v_keys_last": (lambda: flashattn.attention_fp8(q8, k8, v8_keys_last, dq, dk, dv, causal=causal),
+                                      deq),
     }
 
     def sdpa(a, b_, c):
@@ -83,18 +88,22 @@ def markdown(payload: dict) -> str:
     lines = [f"Float8 forward, {env['gpu']}, torch {env['torch']}, triton {env['triton']}; median of "
              "triton.testing.do_bench, no grad; B = 4, H = 16, N = M. Error: largest |o - float64| of the first "
              "head against what each provider was given.", "",
-             "| D | N | causal | bf16 ms (TFLOP/s) | fp8 ms (TFLOP/s) | fp8 / bf16 speed | fp8 error | bf16 error "
-             "| cuDNN bf16 ms | fp8 / cuDNN bf16 | cuDNN fp8 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| D | N | causal | bf16 ms (TFLOP/s) | fp8 ms (TFLOP/s) | fp8, v keys last | fp8 / bf16 speed "
+             "(v keys last) | fp8 error | bf16 error | cuDNN bf16 ms | fp8 / cuDNN bf16 (v keys last) | cuDNN fp8 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["rows"]:
-        bf, f8, cu, cu8 = (r.get(k, {}) for k in ("flashattn_bf16", "flashattn_fp8", "sdpa_cudnn_bf16",
-                                                 "sdpa_cudnn_fp8"))
+        bf, f8, f8t, cu, cu8 = (r.get(k, {}) for k in ("flashattn_bf16", "flashattn_fp8", "flashattn_fp8_v_keys_last",
+                                                      "sdpa_cudnn_bf16", "sdpa_cudnn_fp8"))
 
         def cell(x):
             return f"{x['ms']:.3f} ({x['tflops']:.0f})" if "ms" in x else "error"
 
-        speed = f"{bf['ms'] / f8['ms']:.2f}x" if "ms" in bf and "ms" in f8 else "-"
-        vs_cudnn = f"{cu['ms'] / f8['ms']:.2f}x" if "ms" in cu and "ms" in f8 else "-"
-        lines.append(f"| {r['D']} | {r['N']} | {r['causal']} | {cell(bf)} | {cell(f8)} | {speed} | "
+        def ratio(a, b):
+            return f"{a['ms'] / b['ms']:.2f}x" if "ms" in a and "ms" in b else "-"
+
+        speed = f"{ratio(bf, f8)} ({ratio(bf, f8t)})"
+        vs_cudnn = f"{ratio(cu, f8)} ({ratio(cu, f8t)})"
+        lines.append(f"| {r['D']} | {r['N']} | {r['causal']} | {cell(bf)} | {cell(f8)} | {cell(f8t)} | {speed} | "
                      f"{f8.get('max_err', float('nan')):.2e} | {bf.get('max_err', float('nan')):.2e} | "
                      f"{cell(cu)} | {vs_cudnn} | {cell(cu8) if 'ms' in cu8 else 'refused'} |")
     return "\n".join(lines) + "\n"

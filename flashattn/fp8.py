@@ -1,8 +1,8 @@
 """Attention on float8 inputs, for inference: e4m3 q, k, v with per-(batch, K/V head) descale factors.
 
 A quantized tensor holds ``x / descale`` rounded to float8, and ``descale`` (float32, one per batch
-entry and K/V head, as FlashAttention 3's interface takes them) brings it back. The forward kernel
-multiplies q and k in float8 and folds their two factors into the score scale; P is rounded to
+entry and K/V head, as FlashAttention 3's interface takes them) brings it back. The forward kernels
+multiply q and k in float8 and fold their two factors into the score scale; P is rounded to
 float8 for the product with v, whose factor multiplies the output. The output is bfloat16. The
 derivation and the error bound are on ``docs/kernels/fp8.md``.
 """
@@ -68,7 +68,8 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: 
     Args:
         q: (B, Hq, N, D) ``torch.float8_e4m3fn``, any strides; 32 <= D <= 256.
         k: (B, Hkv, M, D) of the same dtype, ``Hq % Hkv == 0``.
-        v: like k.
+        v: like k. A v whose keys are contiguous (the transpose of a (B, Hkv, D, M) tensor, rows
+            16-byte aligned) is read in place; any other v is copied to that layout per call.
         q_descale: float32 (B, Hkv) on q's device: the factor that turns q back into the values it
             stands for, one per K/V head (its query heads share it, as in FlashAttention 3); None
             is 1. The factors must be positive: the kernel's row maximum relies on a score scale
@@ -84,11 +85,12 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: 
         ``o`` (B, Hq, N, D) bfloat16 in q's memory layout, or ``(o, lse)`` with the natural-log LSE
         of the dequantized scores, float32 (B, Hq, N).
 
-    CUDA tensors run the Triton forward kernel; CPU tensors run it under Triton's interpreter
-    (``TRITON_INTERPRET=1``), else the PyTorch reference on the dequantized values in float32
-    (which rounds nothing to float8 beyond the inputs). No gradient, no dropout, softcap, ALiBi or
-    sinks, and no ``torch.compile`` yet. Not yet faster than the bfloat16 forward: see the float8
-    page of the kernels section.
+    On an sm_90 GPU, D = 64 and 128 run the Hopper forward in Gluon (no window, and enough work:
+    ``flashattn._config.gluon_kernel``); other CUDA calls run the portable Triton forward kernel, and
+    CPU tensors run it under Triton's interpreter (``TRITON_INTERPRET=1``), else the PyTorch
+    reference on the dequantized values in float32 (which rounds nothing to float8 beyond the
+    inputs). No gradient, no dropout, softcap, ALiBi or sinks, and no ``torch.compile`` yet. Speed
+    and accuracy: the float8 page of the kernels section.
     """
     _check(q, k, v, causal, scale, return_lse)
     batch, heads_q = q.shape[:2]

@@ -313,7 +313,9 @@ def test_benchmark_table_reads_its_rows():
     row = {"B": 4, "H": 16, "N": 4096, "D": 128, "causal": False,
            "flashattn_bf16": {"ms": 1.0, "tflops": 500.0, "max_err": 1e-4},
            "flashattn_fp8": {"ms": 2.0, "tflops": 250.0, "max_err": 3e-3},
+           "flashattn_fp8_v_keys_last": {"ms": 0.8, "tflops": 625.0, "max_err": 3e-3},
            "sdpa_cudnn_bf16": {"ms": 1.1, "tflops": 450.0, "max_err": 1e-4},
            "sdpa_cudnn_fp8": {"error": "RuntimeError: No available kernel."}}
     table = bench.markdown({"environment": {"gpu": "G", "torch": "t", "triton": "x"}, "rows": [row]})
-    assert "| 128 | 4096 | False | 1.000 (500) | 2.000 (250) | 0.50x | 3.00e-03 | 1.00e-04 | 1.100 (450) | 0.55x | refused |" in table
+    assert ("| 128 | 4096 | False | 1.000 (500) | 2.000 (250) | 0.800 (625) | 0.50x (1.25x) | 3.00e-03 | 1.00e-04 | "
+            "1.100 (450) | 0.55x (1.38x) | refused |") in table

@@ -178,16 +178,19 @@ def _fa_softmax(s, m_i, l_i, n0, row0, M, q_off, qk_scale,
         s = masked_scores(s, n0, row0, M, q_off, CAUSAL, HALF, BLOCK_N, s_layout)
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     alpha = gl.exp2(m_i - m_new)
+    # --8<-- [start:gluon-fp8-pivot]
     if FP8:
         # 2^8 P, ready for float8's rounding (docs/kernels/fp8.md): the pivot moves down by 8, a
-        # per-row subtraction, and l sums 2^8 P too, so o = acc / l cancels the factor exactly
+        # per-row subtraction; l sums 2^8 P too, so o = acc / l needs no division by 2^8
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new - P_LOG2_SCALE, 1))
     else:
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    # --8<-- [end:gluon-fp8-pivot]
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new
 
 
+# --8<-- [start:gluon-fp8-pv]
 # P V with float8 operands: the float8 tensor cores read V with keys contiguous, so the float8 V tiles
 # arrive [HEAD_DIM, BLOCK_N] and are read transposed; P goes through shared memory (p_buf, one
 # [HALF, BLOCK_N] buffer per consumer), since Triton 3.6 cannot keep 8-bit register operands of an
@@ -219,6 +222,7 @@ def _p_operand(p32, p, p_buf, p_layout: gl.constexpr, FP8: gl.constexpr):
         return p
     else:
         return gl.convert_layout(p32.to(p_buf.dtype), p_layout)
+# --8<-- [end:gluon-fp8-pv]
 
 
 # --8<-- [start:gluon-fwd-step]
