@@ -1,6 +1,6 @@
 """Time to the first call of a new configuration, with a cold and a warm Triton cache.
 
-    PYTHONPATH=. python -m benchmarks.first_call [--out benchmarks/results/short] [--warmup]
+    PYTHONPATH=. python -m benchmarks.first_call [--out benchmarks/results/short] [--warmup] [--foreground]
 
 Triton compiles a kernel the first time one of its configurations runs (dtype, head dim, mask,
 variant, tile) and keeps the result under ``TRITON_CACHE_DIR``. For each configuration of
@@ -14,7 +14,10 @@ process's first compile on an empty cache), so the cold child's unrelated call c
 its configuration's kernels are not in the cache. Then, with ``torch.cuda.synchronize()`` before and
 after each and ``time.perf_counter``: the first forward, the first backward of it, and a second
 forward + backward (the steady cost, for reference). ``--warmup`` also measures each configuration
-with ``flashattn.warmup`` of its shape run in the child before the timed calls, reported apart.
+with ``flashattn.warmup`` of its shape run in the child before the timed calls, reported apart;
+``--foreground`` also measures it with ``FLASHATTN_BACKGROUND_COMPILE=0``, where the backward's
+kernels compile when the backward runs instead of beside the first forward
+(:func:`flashattn.launch.in_background`).
 Writes ``DIR/first_call.json`` and ``DIR/first_call.md``; without a CUDA GPU it stops and writes nothing.
 """
 
@@ -113,11 +116,11 @@ def child(cfg, *, device="cuda", warmup=False, clock=time.perf_counter) -> dict:
 
 # -- the parent: fresh processes, fresh caches -------------------------------------------------------------
 
-def spawn(cfg, cache_dir, warmup, *, timeout_s=600.0) -> dict:
-    """Run :func:`child` in a new Python process with ``TRITON_CACHE_DIR=cache_dir``; its timings, the
-    process's wall time, or the error it ended with."""
+def spawn(cfg, cache_dir, warmup, *, background=True, timeout_s=600.0) -> dict:
+    """Run :func:`child` in a new Python process with ``TRITON_CACHE_DIR=cache_dir`` (and background
+    compiles off unless ``background``); its timings, the process's wall time, or the error it ended with."""
     cmd = [sys.executable, "-m", "benchmarks.first_call", "--child", json.dumps(cfg)] + (["--warmup"] * warmup)
-    env = {**os.environ, "TRITON_CACHE_DIR": str(cache_dir)}
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache_dir), "FLASHATTN_BACKGROUND_COMPILE": "1" if background else "0"}
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -130,7 +133,8 @@ def spawn(cfg, cache_dir, warmup, *, timeout_s=600.0) -> dict:
 
 
 def measure(configs, *, modes=("plain",), spawn_fn=spawn, log=print) -> dict:
-    """Per mode (``plain``, ``warmup``) and configuration: a cold and a warm child on one fresh cache."""
+    """Per mode (``plain``, ``warmup``, ``foreground``: background compiles off) and configuration: a
+    cold and a warm child on one fresh cache."""
     root = pathlib.Path(tempfile.mkdtemp(prefix="flashattn-first-call-"))
     try:
         prime_dir = root / "prime"
@@ -142,8 +146,9 @@ def measure(configs, *, modes=("plain",), spawn_fn=spawn, log=print) -> dict:
             for i, cfg in enumerate(configs):
                 cache = root / f"{mode}-{i}"
                 shutil.copytree(prime_dir, cache)
-                cold = spawn_fn(cfg, cache, mode == "warmup")
-                warm = spawn_fn(cfg, cache, mode == "warmup")
+                background = mode != "foreground"
+                cold = spawn_fn(cfg, cache, mode == "warmup", background=background)
+                warm = spawn_fn(cfg, cache, mode == "warmup", background=background)
                 rows.append({"mode": mode, **cfg, "cold": cold, "warm": warm})
                 log(f"[first_call] {mode} {cfg['name']}: cold {cold}, warm {warm}")
         return {"prime": prime, "rows": rows}
@@ -188,6 +193,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=OUT)
     parser.add_argument("--warmup", action="store_true",
                         help="also measure with flashattn.warmup(...) of the shape in the child first")
+    parser.add_argument("--foreground", action="store_true",
+                        help="also measure with background compiles off (FLASHATTN_BACKGROUND_COMPILE=0)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # JSON configuration (or null): run as the child
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # the child's device (cpu: tests)
     args = parser.parse_args(argv)
@@ -201,7 +208,7 @@ def main(argv=None) -> int:
         return 2
     from benchmarks import side
 
-    modes = ("plain", "warmup") if args.warmup else ("plain",)
+    modes = ("plain",) + ("foreground",) * args.foreground + ("warmup",) * args.warmup
     measured = measure(CONFIGS, modes=modes)
     result = side.record("time to the first call of a configuration, cold and warm Triton cache",
                          torch.device("cuda"), measured["rows"], prime=measured["prime"], unrelated=UNRELATED,

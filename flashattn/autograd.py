@@ -13,6 +13,7 @@ import contextlib
 import torch
 
 from flashattn import _config, reference
+from flashattn._memo import remember, table
 from flashattn.problem import Problem, dense_like, in_layout, output_like
 
 
@@ -75,6 +76,9 @@ def _reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_
 
 
 _LAUNCHERS: list = []  # [forward, backward, decode_kernels, tensors] once imported
+# (problem family, device) -> the future of its backward's kernels compiling in the background, then
+# None once a backward has waited for it (or where none started)
+_AHEAD = table("autograd.compile_ahead")
 _EARLY_REPLAY = [True]
 
 
@@ -119,6 +123,32 @@ def _kernel_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0,
             o, lse = _split_kv_forward(decode_kernels, q, k, v, problem)
             return (o, lse) if sinks is None else with_sinks(o, lse, sinks, problem.varlen)
         return forward.launch_forward(q, k, v, problem, alibi_slopes, seed, packing, sinks)
+
+
+# --8<-- [start:compile-ahead]
+def compile_backward_ahead(q, k, v, problem: Problem, alibi_slopes=None, packing=None, sinks=None) -> None:
+    """At the first forward of a family of problems (:attr:`Problem.family`: dtype, head dims, mask,
+    variants, layout) that requires a gradient on a device, start compiling its backward's kernels on
+    background threads (:func:`flashattn.backward.compile_ahead`): they compile while the forward's
+    kernels do, and while the rest of the model's forward runs. Once per family and device: later
+    shapes that need other kernels compile them when they run, as before. Only on a GPU, under the
+    default tuning and without autotuning (which times real launches)."""
+    key = (problem.family, q.device)
+    if key in _AHEAD or not q.is_cuda or problem.empty or not _config.tuning_is_default() \
+            or _config.autotune_enabled():
+        return
+    remember(_AHEAD, key, launchers()[1].compile_ahead(q, k, v, problem, alibi_slopes, packing, sinks))
+
+
+def wait_for_compile_ahead(problem: Problem, device: torch.device) -> None:
+    """Before a backward launches: wait for its family's background compile if one is under way, so
+    that the backward does not compile the same kernels a second time beside it."""
+    if _AHEAD:
+        future = _AHEAD.get((problem.family, device))
+        if future is not None:
+            future.exception()  # waits; a compile that failed fails again, and reports, at the launch itself
+            _AHEAD[(problem.family, device)] = None
+# --8<-- [end:compile-ahead]
 
 
 def _split_kv_forward(decode_kernels, q, k, v, problem: Problem):
@@ -300,6 +330,10 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=None, seed: int = 0,
                 cu_seqlens_q=None, cu_seqlens_k=None, sinks=None):
+        if use_kernels:
+            compile_backward_ahead(q, k, v, problem, alibi_slopes,
+                                   None if cu_seqlens_q is None else (cu_seqlens_q, cu_seqlens_k),
+                                   None if sinks is None else sinks.detach().contiguous())
         o, lse = AttentionFunction.run_forward(q, k, v, problem, use_kernels, alibi_slopes, seed, cu_seqlens_q,
                                                cu_seqlens_k, sinks)
         if alibi_slopes is None and cu_seqlens_q is None and sinks is None:  # a short call feels each saved None
@@ -319,6 +353,8 @@ class AttentionFunction(torch.autograd.Function):
         alibi_slopes, cu_q, cu_k, sinks = extras if extras else (None, None, None, None)
         if do is None:  # only the LSE was used
             do = torch.zeros_like(o)
+        if use_kernels:
+            wait_for_compile_ahead(problem, q.device)
         if not extras and tuning is _config.DEFAULT_TUNING and _replayable(q, problem, use_kernels):
             # a repeated call's recipe, as in run_forward (not under a tuning the forward pinned)
             grads = launchers()[1].replay_backward(do, q, k, v, o, lse, problem, dlse, None, seed)

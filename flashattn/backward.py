@@ -30,11 +30,11 @@ from flashattn.device_helpers import (
     LOG2E, backward_query_range, dq_key_range, dropout_keep, packed_tile, program_tile, score_mods, tile_mask,
     window_dq_key_range, window_query_range,
 )
-from flashattn.launch import fork, join, launch, on_stream, recording, replay
+from flashattn.launch import fork, in_background, join, launch, on_stream, recording, replay
 from flashattn.tensors import (
     addressable, ceil_div, Descriptors, heads_first, interpreter_needs_float32, tile_offsets,
 )
-from flashattn.problem import Problem, dense_like, seed_halves, variant_abi
+from flashattn.problem import Problem, dense_like, output_like, seed_halves, variant_abi
 
 PREPROCESS_BLOCK = 64  # rows per program of the delta kernel (memory bound: any size that fills the GPU)
 
@@ -630,6 +630,20 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
         record.keep(inputs, (dq, dk, dv, delta, lse2, *(() if sinks is None else sink_parts)), free, shared=(1, 2, 3))
     return (dq, dk, dv) if sinks is None else (dq, dk, dv, _sinks_grad(sink_parts[0], p, sinks))
 # --8<-- [end:bwd-launch]
+
+
+def compile_ahead(q, k, v, problem: Problem, alibi_slopes=None, packing=None, sinks=None):
+    """Start compiling the kernels of the backward of this call on background threads
+    (:func:`flashattn.launch.in_background`), for a first forward whose backward will follow: the
+    forward's own kernels compile meanwhile, and the backward finds its kernels compiled. The call
+    runs :func:`launch_backward` on stand-ins for o, lse (allocated, never written) and dO (o's
+    layout, as autograd usually passes it); a backward whose dO is laid out otherwise compiles its
+    own kernels. Returns the future of the compiles, or None where none started."""
+    o = output_like(q, problem.dv)
+    lse_shape = (problem.heads_q, problem.total_q) if problem.varlen else (problem.batch, problem.heads_q, problem.n)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    return in_background(q.device, lambda: launch_backward(o, q, k, v, o, lse, problem, None, alibi_slopes, 0,
+                                                           packing, sinks))
 
 
 def _sinks_grad(parts: torch.Tensor, problem: Problem, sinks: torch.Tensor) -> torch.Tensor:

@@ -4,11 +4,18 @@ It keeps the kernels Triton compiled per launch signature, and, on the Triton ve
 tests ran on (:data:`FAST_PATH_TRITON`), a fast path that calls the compiled kernel's generated C
 launcher directly and replays a whole launcher call from a recorded :class:`Recipe`. Everywhere
 else, and for any launch the fast path does not recognise, it calls ``kernel[grid](...)``.
+
+:func:`in_background` runs a launcher call with nothing launched: each kernel it would launch is
+compiled on a thread of its own instead (Triton's ``warmup``), so that a later real call of the same
+signature finds it in Triton's cache.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import contextvars
+import os
 
 import torch
 import triton
@@ -260,7 +267,10 @@ class _Join(_Fork):
 
 
 def _switch(switch: _Fork, record: Recording | None) -> None:
-    """Make the stream switch now, and keep it in ``record`` for the recipe's replays."""
+    """Make the stream switch now, and keep it in ``record`` for the recipe's replays (none in a call
+    that only compiles, :func:`in_background`)."""
+    if _COMPILE_ONLY.get() is not None:
+        return
     switch(_current_device())
     if record is not None:
         record.steps.append(switch)
@@ -362,8 +372,10 @@ _RECIPES = table("launch.recipes")  # a launcher call's key -> its Recipe, or No
 
 def recording(key) -> Recording | None:
     """A :class:`Recording` for a launcher call with ``key`` (None: a call that is never replayed),
-    made when no recipe is kept for the key yet and the default tuning is in force."""
-    if key is None or key in _RECIPES or not _FAST_PATH[0] or not _config.tuning_is_default():
+    made when no recipe is kept for the key yet and the default tuning is in force (and never for a
+    call that only compiles, :func:`in_background`)."""
+    if (key is None or key in _RECIPES or not _FAST_PATH[0] or not _config.tuning_is_default()
+            or _COMPILE_ONLY.get() is not None):
         return None
     return Recording(key)
 
@@ -372,7 +384,7 @@ def replay(key, inputs: tuple, free: tuple = ()):
     """The outputs of a launcher call repeated from its recipe (:meth:`Recording.keep`) with these
     ``inputs`` and per-call integers, or None when there is no recipe for ``key`` or it does not
     apply now (a launch hook set, a misaligned input, a pinned tuning)."""
-    if key is None:
+    if key is None or _COMPILE_ONLY.get() is not None:
         return None
     recipe = _RECIPES.get(key)
     if recipe is None or not _FAST_PATH[0] or not _config.tuning_is_default():
@@ -487,6 +499,12 @@ def launch(kernel, grid, args: tuple, constexprs: dict, options: dict, record: R
     path marks it incomplete, so no recipe is kept from it.
     """
     grid = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
+    compiling = _COMPILE_ONLY.get()
+    if compiling is not None:  # in_background: compile, launch nothing
+        device, compiles = compiling
+        if not _interpreted(kernel):
+            compiles.append(_COMPILERS.submit(_compile, device, kernel, grid, args, constexprs, options))
+        return
     if _interpreted(kernel) or not _FAST_PATH[0]:
         kernel[grid](*args, **constexprs, **options)
         if record is not None:
@@ -518,3 +536,69 @@ def launch(kernel, grid, args: tuple, constexprs: dict, options: dict, record: R
         compiled = compiled.result() if hasattr(compiled, "result") else compiled
         remember(_COMPILED, signature, (kernel, compiled, _DirectLaunch.of(compiled, len(args) + len(constexprs))))
 # --8<-- [end:launch]
+
+
+# --8<-- [start:background]
+# A launcher call run by in_background: its device and the list of its kernels' compiles, which
+# launch() fills in place of launching (a context variable: only the thread running that call sees it)
+_COMPILE_ONLY: contextvars.ContextVar = contextvars.ContextVar("flashattn_compile_only", default=None)
+_BACKGROUND = [os.environ.get("FLASHATTN_BACKGROUND_COMPILE", "1") != "0"]
+# Triton's compiler releases the GIL in its passes and in ptxas, so kernels compile side by side on
+# threads: the calls on one, their kernels' compiles on the others
+_CALLS = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flashattn-precompile")
+_COMPILERS = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="flashattn-compile")
+
+
+def _on(device: int):
+    """Make ``device`` the current CUDA device of this thread inside the ``with`` block."""
+    return torch.cuda.device(device)
+
+
+def _compile(device: int, kernel, grid: tuple, args: tuple, constexprs: dict, options: dict) -> None:
+    """Compile ``kernel`` for this launch on ``device`` into Triton's cache, launching nothing: the
+    launch's later ``kernel[grid](...)`` finds it there (same arguments, same specialization)."""
+    with _on(device):
+        kernel.warmup(*args, grid=grid, **constexprs, **options)
+
+
+def _dry_run(device: int, call) -> None:
+    compiles = []
+    token = _COMPILE_ONLY.set((device, compiles))
+    try:
+        with _on(device):
+            call()
+    finally:
+        _COMPILE_ONLY.reset(token)
+    for done in compiles:
+        done.result()
+
+
+def _quietly(future: concurrent.futures.Future) -> None:
+    # a call that fails to compile in the background compiles (and fails) again when it runs
+    future.exception()
+
+
+def in_background(device: torch.device, call) -> concurrent.futures.Future | None:
+    """Run the launcher call ``call()`` on a background thread with nothing launched, compiling each
+    kernel it would launch on threads of its own (:func:`launch`), so that the real call later finds
+    its kernels compiled. No recipe is recorded and no stream switch made, but ``call`` still
+    allocates what the launcher allocates, on ``device``. Returns a future that is done when every
+    kernel has compiled (errors stay inside it: the real call meets them again), or None where
+    background compiles are off (:func:`background_compile`, or ``FLASHATTN_BACKGROUND_COMPILE=0``)."""
+    if not _BACKGROUND[0] or device.type != "cuda":
+        return None
+    future = _CALLS.submit(_dry_run, device.index if device.index is not None else torch.cuda.current_device(), call)
+    future.add_done_callback(_quietly)
+    return future
+
+
+@contextlib.contextmanager
+def background_compile(enabled: bool):
+    """Let :func:`in_background` compile (the default) or do nothing inside the ``with`` block."""
+    before = _BACKGROUND[0]
+    _BACKGROUND[0] = bool(enabled)
+    try:
+        yield
+    finally:
+        _BACKGROUND[0] = before
+# --8<-- [end:background]

@@ -88,6 +88,10 @@ class Problem:
         # the dense forward and backward launchers run it (not packed, empty or split-KV): what the
         # autograd layer's replay of a repeated call (flashattn.autograd.run_forward) checks first
         object.__setattr__(self, "dense_kernels", self.layout == "dense" and not self.empty and not self._split_kv)
+        # what selects the kernels' code, not their sizes: problems of one family share most kernels
+        # (flashattn.autograd.compile_backward_ahead compiles a family's backward once)
+        object.__setattr__(self, "family", (self.dtype, self.head_dim, self.head_dim_v, self.causal, self.layout,
+                                            *self._constexprs.values(), self.sinks, self.descale))
 
     def __hash__(self) -> int:
         return self._hash

@@ -209,24 +209,28 @@ def test_child_process_reports_one_line_of_json(tmp_path):
 def test_cold_and_warm_children_share_one_fresh_cache():
     seen = []
 
-    def fake_spawn(cfg, cache_dir, warmup):
+    def fake_spawn(cfg, cache_dir, warmup, background=True):
         cache_dir = pathlib.Path(cache_dir)
-        seen.append((None if cfg is None else cfg["name"], cache_dir, warmup, sorted(os.listdir(cache_dir))))
+        seen.append((None if cfg is None else cfg["name"], cache_dir, warmup, sorted(os.listdir(cache_dir)),
+                     background))
         (cache_dir / f"compiled-{len(seen)}").write_text("kernel")
         return {"first_fwd_s": 3.0 if len(os.listdir(cache_dir)) == 2 else 0.01}
 
     cfgs = [dict(TINY, name="a"), dict(TINY, name="b")]
-    out = first_call.measure(cfgs, modes=("plain", "warmup"), spawn_fn=fake_spawn, log=lambda s: None)
+    out = first_call.measure(cfgs, modes=("plain", "warmup", "foreground"), spawn_fn=fake_spawn, log=lambda s: None)
     prime, *children = seen
     assert prime[0] is None and prime[3] == []  # the prime child starts from an empty cache
-    assert len(children) == 8 and [c[0] for c in children] == ["a", "a", "b", "b"] * 2
+    assert len(children) == 12 and [c[0] for c in children] == ["a", "a", "b", "b"] * 3
+    assert [c[4] for c in children] == [True] * 8 + [False] * 4  # foreground: background compiles off
+    children = children[:8]
     for cold, warm in zip(children[::2], children[1::2]):
         assert cold[1] == warm[1] != prime[1] and cold[2] == warm[2]
         assert cold[3] == ["compiled-1"]  # only what the prime child left
         assert len(warm[3]) == 2  # and what the cold child compiled
     assert [c[2] for c in children] == [False] * 4 + [True] * 4
     assert [(r["mode"], r["name"]) for r in out["rows"]] == [("plain", "a"), ("plain", "b"), ("warmup", "a"),
-                                                             ("warmup", "b")]
+                                                             ("warmup", "b"), ("foreground", "a"),
+                                                             ("foreground", "b")]
     assert all(r["cold"]["first_fwd_s"] == 3.0 and r["warm"]["first_fwd_s"] == 0.01 for r in out["rows"])
     assert not prime[1].parent.exists()  # the temporary caches are removed
 

@@ -602,3 +602,155 @@ def test_the_early_replay_switch_nests_and_restores():
         with autograd.early_replay(False):
             raise RuntimeError("inside")
     assert autograd._EARLY_REPLAY[0]
+
+
+# -- compiling a launcher call's kernels ahead, on background threads (launch.in_background) ------------------
+
+class _WarmupOnly:
+    """Stands in for a jitted kernel: records each ``warmup``; a launch fails the test."""
+
+    def __init__(self, error=None):
+        self.warmups, self.error = [], error
+
+    def warmup(self, *args, grid, **kwargs):
+        if self.error is not None:
+            raise self.error
+        self.warmups.append((args, grid, kwargs))
+
+    def __getitem__(self, grid):
+        raise AssertionError("in_background launched a kernel")
+
+
+def _no_cuda_device(monkeypatch):
+    from flashattn import launch as L
+
+    monkeypatch.setattr(L, "_on", lambda device: contextlib.nullcontext())
+
+
+def test_in_background_compiles_each_launch_and_launches_nothing(monkeypatch):
+    """A call run by in_background hands each launch to a compile (Triton's warmup, with the launch's
+    arguments, grid, constexprs and options) and launches nothing; inside it no recipe is recorded or
+    replayed and no stream switch is made, which the same calls outside it do (the controls)."""
+    from flashattn import launch as L
+
+    _no_cuda_device(monkeypatch)
+    monkeypatch.setattr(L, "_FAST_PATH", [True])
+    monkeypatch.setitem(L._RECIPES, ("key",), lambda inputs, free: "replayed")
+    kernel = _WarmupOnly()
+    seen = {}
+
+    def call():
+        seen["recording"] = L.recording(("other key",))
+        seen["replay"] = L.replay(("key",), ())
+        L.fork(object())  # no stream: making the switch would raise
+        L.launch(kernel, 7, (1, 2.0), {"BLOCK": 16}, {"num_warps": 4})
+        L.launch(kernel, (2, 3), (3,), {}, {})
+
+    L.in_background(torch.device("cuda", 0), call).result(timeout=60)
+    assert kernel.warmups == [((1, 2.0), (7, 1, 1), {"BLOCK": 16, "num_warps": 4}), ((3,), (2, 3, 1), {})]
+    assert seen == {"recording": None, "replay": None}
+    # the controls: the same calls outside in_background record, replay and switch
+    assert L.recording(("other key",)) is not None and L.replay(("key",), ()) == "replayed"
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    with pytest.raises(AttributeError):  # the switch reaches the object, which has no wait_stream
+        L.fork(object())
+
+
+def test_in_background_keeps_errors_in_its_future_and_can_be_off(monkeypatch):
+    """A compile that fails leaves its error in the returned future (the real launch meets it again);
+    background compiles off, or a CPU device, start nothing."""
+    from flashattn import launch as L
+
+    _no_cuda_device(monkeypatch)
+    failing = _WarmupOnly(error=ValueError("no such kernel"))
+    future = L.in_background(torch.device("cuda", 0), lambda: L.launch(failing, 1, (), {}, {}))
+    assert isinstance(future.exception(timeout=60), ValueError)
+    calls = []
+    with L.background_compile(False):
+        assert L.in_background(torch.device("cuda", 0), lambda: calls.append(1)) is None
+    assert L.in_background(torch.device("cpu"), lambda: calls.append(1)) is None
+    assert calls == []
+
+
+def test_backward_compiles_ahead_once_per_family_and_device(monkeypatch):
+    """autograd.compile_backward_ahead starts one background compile per problem family (dtype, head
+    dims, mask, variants, layout) and device, none for a CPU tensor or under a pinned tuning;
+    wait_for_compile_ahead waits for it once."""
+    import types
+
+    from flashattn import _config, autograd
+
+    started = []
+
+    class Future:
+        def __init__(self):
+            self.waited = 0
+
+        def exception(self):
+            self.waited += 1
+
+    def compile_ahead(q, k, v, problem, *rest):
+        started.append(problem)
+        return Future()
+
+    monkeypatch.setattr(autograd, "launchers", lambda: [None, types.SimpleNamespace(compile_ahead=compile_ahead)])
+    monkeypatch.setattr(autograd, "_AHEAD", {})
+    gpu0 = torch.device("cuda", 0)
+    q = types.SimpleNamespace(is_cuda=True, device=gpu0)
+
+    def problem(n=256, d=64, causal=True, **variants):
+        return Problem(2, 4, 4, n, n, d, torch.float16, causal, d ** -0.5, **variants)
+
+    autograd.compile_backward_ahead(q, q, q, problem())
+    autograd.compile_backward_ahead(q, q, q, problem(n=512))  # another shape of the family: nothing new
+    assert started == [problem()]
+    autograd.compile_backward_ahead(q, q, q, problem(softcap=30.0))  # another family
+    autograd.compile_backward_ahead(types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1)), q, q,
+                                    problem())  # another device
+    assert len(started) == 3
+    autograd.compile_backward_ahead(types.SimpleNamespace(is_cuda=False, device=torch.device("cpu")), q, q,
+                                    problem(d=32))
+    with _config.tuning(gluon=False):
+        autograd.compile_backward_ahead(q, q, q, problem(d=128))
+    assert len(started) == 3
+    future = autograd._AHEAD[(problem().family, gpu0)]
+    autograd.wait_for_compile_ahead(problem(n=1024), gpu0)
+    autograd.wait_for_compile_ahead(problem(), gpu0)
+    assert future.waited == 1
+
+
+@gpu
+@needs_cuda
+def test_gpu_a_first_backward_finds_its_kernels_compiled_ahead():
+    """The first forward of a new family that requires a gradient starts compiling its backward's
+    kernels on background threads: every backward kernel compiled in that process compiles there, none
+    on the backward's own thread, and the gradients are bitwise those of the same call with background
+    compiles off."""
+    import threading
+
+    import triton
+
+    from flashattn import launch
+
+    compiled = []
+
+    def hook(*args, **kwargs):
+        compiled.append((threading.current_thread().name, kwargs["fn"].name))
+
+    before = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    try:
+        # an unusual family (fp16, D = 56, softcap, causal), so that no earlier test compiled it
+        q, k, v, do = (torch.randn(2, 3, 300, 56, device="cuda", dtype=torch.float16) for _ in range(4))
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        o = flashattn.attention(q, k, v, causal=True, softcap=7.5)
+        grads = torch.autograd.grad(o, (q, k, v), do)
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = before
+    backward = [(thread, name) for thread, name in compiled if "bwd" in name]
+    assert backward, compiled
+    assert all(thread.startswith("flashattn-compile") for thread, _ in backward), backward
+    with launch.background_compile(False):
+        again = torch.autograd.grad(flashattn.attention(q, k, v, causal=True, softcap=7.5), (q, k, v), do)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))

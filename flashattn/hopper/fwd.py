@@ -235,7 +235,7 @@ def launch(kernel, grid: int, args: tuple, constexprs: dict, warps: int = 4, rec
 def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong: bool | None = None,
             block_n: int | None = None, stages: int | None = None, out=None, persistent: bool | None = None,
             dynamic: bool | None = None, section: int | None = None, q_buffers: int | None = None,
-            record=None, descales=None):
+            record=None, descales=None, p_smem: bool | None = None):
     """FlashAttention forward on Hopper: returns (o, lse) with o like q and lse float32 (B, Hq, N).
 
     Float8 (e4m3) q, k, v come with ``descales``, float32 (3, B, Hkv) contiguous (q's, k's and v's
@@ -250,7 +250,8 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
     heads, the longest block of each head first (default :func:`section_default` for a persistent
     launch, 1 otherwise). ``q_buffers`` (1 or 2) is how many tiles' Q a persistent CTA holds: with
     two the producer loads the next tile's Q while the consumers finish this one (default
-    :func:`q_buffers_default`; a CTA of one tile holds one). ``out``, when given, receives o: any (B, Hq, N, D) tensor of q's dtype
+    :func:`q_buffers_default`; a CTA of one tile holds one). ``p_smem`` passes P to the P V product
+    through shared memory instead of registers (always for float8 inputs). ``out``, when given, receives o: any (B, Hq, N, D) tensor of q's dtype
     whose head dim is contiguous, such as one laid out like q. A ``record``
     (:class:`flashattn.launch.Recording`) keeps the launch, and which argument is the tile counter."""
     import torch
@@ -315,6 +316,6 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, pingpong:
             float(scale) * LOG2E, descales if fp8 else lse),
            dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), DYNAMIC=dynamic,
                 PINGPONG=bool(pingpong), PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS,
-                QBUFS=q_buffers, FP8=fp8), record=record)
+                QBUFS=q_buffers, FP8=fp8, P_SMEM=fp8 or bool(p_smem)), record=record)
     return o, lse
 

@@ -191,32 +191,37 @@ def _fa_softmax(s, m_i, l_i, n0, row0, M, q_off, qk_scale,
 
 
 # --8<-- [start:gluon-fp8-pv]
-# P V with float8 operands: the float8 tensor cores read V with keys contiguous, so the float8 V tiles
-# arrive [HEAD_DIM, BLOCK_N] and are read transposed; P goes through shared memory (p_buf, one
-# [HALF, BLOCK_N] buffer per consumer), since Triton 3.6 cannot keep 8-bit register operands of an
-# asynchronous product alive across its wait. 16-bit P stays in registers.
+# The P V product. Float8 tensor cores read V with keys contiguous, so the float8 V tiles arrive
+# [HEAD_DIM, BLOCK_N] and are read transposed (V_KEYS_LAST). P is the product's register operand, or
+# with P_SMEM it goes through shared memory (p_buf, one [HALF, BLOCK_N] buffer per consumer): always
+# for float8, since Triton 3.6 cannot keep an 8-bit register operand of an asynchronous product alive
+# across its wait, and for 16-bit inputs where P's registers would not fit beside a wide S tile.
 @gluon.jit
-def _pv_product(p, p_buf, v_smem, idx, acc, FP8: gl.constexpr):
-    if FP8:
-        return warpgroup_mma(p_buf, v_smem.index(idx).permute((1, 0)), acc, is_async=True)
+def _pv_product(p, p_buf, v_smem, idx, acc, P_SMEM: gl.constexpr, V_KEYS_LAST: gl.constexpr):
+    if V_KEYS_LAST:
+        v = v_smem.index(idx).permute((1, 0))
     else:
-        return warpgroup_mma(p, v_smem.index(idx), acc, is_async=True)
+        v = v_smem.index(idx)
+    if P_SMEM:
+        return warpgroup_mma(p_buf, v, acc, is_async=True)
+    else:
+        return warpgroup_mma(p, v, acc, is_async=True)
 
 
 @gluon.jit
-def _pv_wait(acc_tok, p, FP8: gl.constexpr):
+def _pv_wait(acc_tok, p, P_SMEM: gl.constexpr):
     # (acc, p) once the P V product has completed
-    if FP8:
+    if P_SMEM:
         return warpgroup_mma_wait(0, deps=(acc_tok, )), p
     else:
         return warpgroup_mma_wait(0, deps=(acc_tok, p))
 
 
 @gluon.jit
-def _p_operand(p32, p, p_buf, p_layout: gl.constexpr, FP8: gl.constexpr):
-    # The next P V product's P: rounded to the input dtype, in registers (16-bit) or in p_buf
-    # (float8, once the last product that read p_buf has completed; p is then passed through)
-    if FP8:
+def _p_operand(p32, p, p_buf, p_layout: gl.constexpr, P_SMEM: gl.constexpr):
+    # The next P V product's P, rounded to the input dtype: in registers, or in p_buf (once the last
+    # product that read p_buf has completed; p is then passed through)
+    if P_SMEM:
         p_buf.store(p32.to(p_buf.dtype))
         fence_async_shared()
         return p
@@ -231,7 +236,8 @@ def _fa_step(i, kv, q, k_smem, v_smem, p_buf, k_full, v_full, k_empty, v_empty, 
              m_i, l_i, p, acc, row0, M, q_off, qk_scale,
              CONSUMER: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
              HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr):
+             s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr,
+             P_SMEM: gl.constexpr):
     # Key block i: S_i = Q K_i^T and O += P_{i-1} V_{i-1}, softmax of S_i under the P V product.
     # Block i is the ring's fill kv + i (kv: the fills of this CTA's earlier tiles).
     s_idx = (kv + i) % STAGES
@@ -246,17 +252,17 @@ def _fa_step(i, kv, q, k_smem, v_smem, p_buf, k_full, v_full, k_empty, v_empty, 
         mbarrier.wait(turn_mine, (i & 1) ^ (1 - CONSUMER))
     s_tok = warpgroup_mma(q, k_smem.index(s_idx).permute((1, 0)),
                           gl.zeros([HALF, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-    acc_tok = _pv_product(p, p_buf, v_smem, v_idx, acc, FP8)
+    acc_tok = _pv_product(p, p_buf, v_smem, v_idx, acc, P_SMEM, FP8)
     if PINGPONG:
         mbarrier.arrive(turn_other)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(s_idx))
     p_new, alpha, m_i, l_i = _fa_softmax(s, m_i, l_i, i * BLOCK_N, row0, M, q_off, qk_scale, MASK, CAUSAL, HALF,
                                          BLOCK_N, s_layout, FP8)
-    acc, p = _pv_wait(acc_tok, p, FP8)
+    acc, p = _pv_wait(acc_tok, p, P_SMEM)
     mbarrier.arrive(v_empty.index(v_idx))
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p = _p_operand(p_new, p, p_buf, p_layout, FP8)
+    p = _p_operand(p_new, p, p_buf, p_layout, P_SMEM)
     return m_i, l_i, p, acc
 # --8<-- [end:gluon-fwd-step]
 
@@ -266,7 +272,7 @@ def _fa_tile(q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_full, v_
              o_desc, lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, t, kv, qk_scale, o_scale,
              CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr,
              HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-             QBUFS: gl.constexpr, FP8: gl.constexpr):
+             QBUFS: gl.constexpr, FP8: gl.constexpr, P_SMEM: gl.constexpr):
     # One warpgroup, one tile: query rows [m0 + CONSUMER * HALF, + HALF) of the CTA's tile number
     # t, whose key blocks are the ring's fills kv, kv + 1, ..., and whose Q half is in Q buffer
     # t % QBUFS.
@@ -308,17 +314,19 @@ def _fa_tile(q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_full, v_
         mbarrier.arrive(k_empty.index(kv % STAGES))
         p32, alpha, m_i, l_i = _fa_softmax(s, m_i, l_i, 0, row0, M, q_off, qk_scale, True, CAUSAL, HALF, BLOCK_N,
                                            s_layout, FP8)
-        p = _p_operand(p32, gl.zeros([HALF, HEAD_DIM], q.dtype, p_layout), p_buf, p_layout, FP8)
+        p = _p_operand(p32, gl.zeros([HALF, HEAD_DIM], q.dtype, p_layout), p_buf, p_layout, P_SMEM)
         # Key blocks every row of this CTA sees in full: no mask.
         for i in range(1, n_full):
             m_i, l_i, p, acc = _fa_step(i, kv, q, k_smem, v_smem, p_buf, k_full, v_full, k_empty, v_empty, turn_mine,
                                         turn_other, m_i, l_i, p, acc, row0, M, q_off, qk_scale, CONSUMER, False,
-                                        CAUSAL, PINGPONG, HALF, BLOCK_N, STAGES, s_layout, o_layout, p_layout, FP8)
+                                        CAUSAL, PINGPONG, HALF, BLOCK_N, STAGES, s_layout, o_layout, p_layout, FP8,
+                                        P_SMEM)
         # Diagonal and ragged key blocks: masked.
         for i in range(gl.maximum(n_full, 1), n_total):
             m_i, l_i, p, acc = _fa_step(i, kv, q, k_smem, v_smem, p_buf, k_full, v_full, k_empty, v_empty, turn_mine,
                                         turn_other, m_i, l_i, p, acc, row0, M, q_off, qk_scale, CONSUMER, True,
-                                        CAUSAL, PINGPONG, HALF, BLOCK_N, STAGES, s_layout, o_layout, p_layout, FP8)
+                                        CAUSAL, PINGPONG, HALF, BLOCK_N, STAGES, s_layout, o_layout, p_layout, FP8,
+                                        P_SMEM)
         if not O_IN_Q:
             # Every S product of this tile has completed: the producer may load the next tile's
             # Q half while this consumer finishes the tile.
@@ -329,10 +337,10 @@ def _fa_tile(q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_full, v_
         mbarrier.wait(v_full.index(v_idx), (j // STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(turn_mine, (n_total & 1) ^ (1 - CONSUMER))
-        acc_tok = _pv_product(p, p_buf, v_smem, v_idx, acc, FP8)
+        acc_tok = _pv_product(p, p_buf, v_smem, v_idx, acc, P_SMEM, FP8)
         if PINGPONG:
             mbarrier.arrive(turn_other)
-        acc, p = _pv_wait(acc_tok, p, FP8)
+        acc, p = _pv_wait(acc_tok, p, P_SMEM)
         mbarrier.arrive(v_empty.index(v_idx))
     elif not O_IN_Q:
         mbarrier.arrive(q_empty.index(qi))  # no key: Q was never read
@@ -370,7 +378,7 @@ def _consume_tile(q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_ful
                   o_desc, lse_ptr, descale_ptr, tile, t, kv, BH, HQ, GROUP, N, M, SECTION, qk_scale,
                   CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, O_IN_Q: gl.constexpr,
                   HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  QBUFS: gl.constexpr, FP8: gl.constexpr):
+                  QBUFS: gl.constexpr, FP8: gl.constexpr, P_SMEM: gl.constexpr):
     # The CTA's t-th tile, number `tile`; returns the ring fills it took.
     b, hq, hkv, bh, m0, n_total, n_full = tile_coords(tile, BH, N, M, HQ, GROUP, SECTION, 2 * HALF, BLOCK_N,
                                                       CAUSAL)
@@ -387,7 +395,7 @@ def _consume_tile(q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_ful
         o_scale = 1.0
     _fa_tile(q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty, turn_bars,
              o_desc, lse_ptr, b, hq, bh, m0, N, M, n_full, n_total, t, kv, tile_scale, o_scale,
-             CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS, FP8)
+             CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS, FP8, P_SMEM)
     return n_total
 
 
@@ -397,7 +405,7 @@ def _fa_consumer(q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_full
                  tile_ids, o_desc, lse_ptr, descale_ptr, BH, HQ, GROUP, N, M, SECTION, qk_scale,
                  CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr,
                  O_IN_Q: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 STAGES: gl.constexpr, QBUFS: gl.constexpr, FP8: gl.constexpr):
+                 STAGES: gl.constexpr, QBUFS: gl.constexpr, FP8: gl.constexpr, P_SMEM: gl.constexpr):
     # The CTA's tiles in the producer's order: pid, pid + grid, ... (one tile unless the launch is
     # persistent, with fewer CTAs than tiles), or with a dynamic walk the tiles the producer drew.
     tiles = BH * gl.cdiv(N, 2 * HALF)
@@ -409,7 +417,7 @@ def _fa_consumer(q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_full
             kv += _consume_tile(q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
                                 turn_bars, o_desc, lse_ptr, descale_ptr, tile, t, kv, BH, HQ, GROUP, N, M, SECTION,
                                 qk_scale, CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS,
-                                FP8)
+                                FP8, P_SMEM)
             t += 1
             tile = _get_tile(tile_ids, q_bars, t, CONSUMER, QBUFS)
     else:
@@ -417,7 +425,7 @@ def _fa_consumer(q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_full
             kv += _consume_tile(q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
                                 turn_bars, o_desc, lse_ptr, descale_ptr, tile, t, kv, BH, HQ, GROUP, N, M, SECTION,
                                 qk_scale, CONSUMER, CAUSAL, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS,
-                                FP8)
+                                FP8, P_SMEM)
             t += 1
     tma.store_wait(0)
 # --8<-- [end:gluon-fwd-persistent]
@@ -429,7 +437,7 @@ def _fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, counter_ptr,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr,
                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, QBUFS: gl.constexpr,
-                   FP8: gl.constexpr):
+                   FP8: gl.constexpr, P_SMEM: gl.constexpr):
     HALF: gl.constexpr = 64
     dtype: gl.constexpr = q_desc.dtype
     # FP8: float8 q, k, v with their descale factors (descale_ptr, unread otherwise), V laid out
@@ -438,6 +446,7 @@ def _fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, counter_ptr,
     # O has a staging buffer of its own unless that would overflow shared memory (D = 256)
     O_IN_Q: gl.constexpr = HEAD_DIM > 128
     gl.static_assert(not (FP8 and O_IN_Q))
+    gl.static_assert(P_SMEM or not FP8)
 
     smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
@@ -455,12 +464,12 @@ def _fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, counter_ptr,
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_DIM, BLOCK_N], vt_layout)
     else:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem_layout)
-    if FP8:
-        # each consumer's float8 P, the P V product's first operand (_pv_product)
+    if P_SMEM:
+        # each consumer's P, the P V product's first operand (_pv_product)
         p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_N], dtype)
         p_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_N], p_smem_layout)
     else:
-        p_smem = q_smem  # unused: 16-bit P is a register operand
+        p_smem = q_smem  # unused: P is a register operand
     q_bars = gl.allocate_shared_memory(gl.int64, [2 * QBUFS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2 * QBUFS, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -484,10 +493,10 @@ def _fa_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, counter_ptr,
     gl.warp_specialize([
         (_fa_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
                         turn_bars, tile_ids, o_desc, lse_ptr, descale_ptr, BH, HQ, GROUP, N, M, SECTION, qk_scale, 0,
-                        CAUSAL, DYNAMIC, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS, FP8)),
+                        CAUSAL, DYNAMIC, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS, FP8, P_SMEM)),
         (_fa_consumer, (q_smem, k_smem, v_smem, o_smem, p_smem, q_bars, q_empty, k_full, v_full, k_empty, v_empty,
                         turn_bars, tile_ids, o_desc, lse_ptr, descale_ptr, BH, HQ, GROUP, N, M, SECTION, qk_scale, 1,
-                        CAUSAL, DYNAMIC, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS, FP8)),
+                        CAUSAL, DYNAMIC, PINGPONG, O_IN_Q, HALF, BLOCK_N, HEAD_DIM, STAGES, QBUFS, FP8, P_SMEM)),
         (_fa_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_full, v_full, k_empty,
                         v_empty, tile_ids, counter_ptr, BH, HQ, GROUP, N, M, SECTION, CAUSAL, DYNAMIC, HALF,
                         BLOCK_N, HEAD_DIM, STAGES, QBUFS, FP8)),
