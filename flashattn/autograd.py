@@ -131,13 +131,19 @@ def compile_backward_ahead(q, k, v, problem: Problem, alibi_slopes=None, packing
     variants, layout) that requires a gradient on a device, start compiling its backward's kernels on
     background threads (:func:`flashattn.backward.compile_ahead`): they compile while the forward's
     kernels do, and while the rest of the model's forward runs. Once per family and device: later
-    shapes that need other kernels compile them when they run, as before. Only on a GPU, under the
-    default tuning and without autotuning (which times real launches)."""
+    shapes that need other kernels compile them when they run, as before. Only for plain CUDA tensors
+    (no subclass or functorch wrapper), under the default tuning, without autotuning (which times real
+    launches) and outside CUDA-graph capture (where another thread's allocation could break it)."""
     key = (problem.family, q.device)
-    if key in _AHEAD or not q.is_cuda or problem.empty or not _config.tuning_is_default() \
-            or _config.autotune_enabled():
+    if (key in _AHEAD or problem.empty or not _config.tuning_is_default() or _config.autotune_enabled()
+            or not _plain_cuda_outside_capture(q)):
         return
     remember(_AHEAD, key, launchers()[1].compile_ahead(q, k, v, problem, alibi_slopes, packing, sinks))
+
+
+def _plain_cuda_outside_capture(q) -> bool:
+    return (type(q) is torch.Tensor and q.is_cuda and not (_functorch_wrapped is not None and _functorch_wrapped(q))
+            and not torch.cuda.is_current_stream_capturing())
 
 
 def wait_for_compile_ahead(problem: Problem, device: torch.device) -> None:

@@ -675,7 +675,8 @@ def test_in_background_keeps_errors_in_its_future_and_can_be_off(monkeypatch):
 def test_backward_compiles_ahead_once_per_family_and_device(monkeypatch):
     """autograd.compile_backward_ahead starts one background compile per problem family (dtype, head
     dims, mask, variants, layout) and device, none for a CPU tensor or under a pinned tuning;
-    wait_for_compile_ahead waits for it once."""
+    wait_for_compile_ahead waits for it once. (CUDA tensors are stood in for; the check that a real
+    one is a plain CUDA tensor outside graph capture is its own test.)"""
     import types
 
     from flashattn import _config, autograd
@@ -694,6 +695,7 @@ def test_backward_compiles_ahead_once_per_family_and_device(monkeypatch):
         return Future()
 
     monkeypatch.setattr(autograd, "launchers", lambda: [None, types.SimpleNamespace(compile_ahead=compile_ahead)])
+    monkeypatch.setattr(autograd, "_plain_cuda_outside_capture", lambda q: q.is_cuda)  # no CUDA tensor here
     monkeypatch.setattr(autograd, "_AHEAD", {})
     gpu0 = torch.device("cuda", 0)
     q = types.SimpleNamespace(is_cuda=True, device=gpu0)
@@ -717,6 +719,34 @@ def test_backward_compiles_ahead_once_per_family_and_device(monkeypatch):
     autograd.wait_for_compile_ahead(problem(n=1024), gpu0)
     autograd.wait_for_compile_ahead(problem(), gpu0)
     assert future.waited == 1
+
+
+def test_only_plain_cuda_tensors_compile_ahead():
+    """A CPU tensor, or a tensor subclass, starts no background compile."""
+    from flashattn import autograd
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert not autograd._plain_cuda_outside_capture(torch.zeros(2))
+    assert not autograd._plain_cuda_outside_capture(torch.zeros(2).as_subclass(Sub))
+
+
+@gpu
+@needs_cuda
+def test_gpu_compile_ahead_skips_graph_capture():
+    """Inside CUDA-graph capture no background compile starts; outside it a plain CUDA tensor may."""
+    from flashattn import autograd
+
+    x = torch.zeros(4, device="cuda")
+    assert autograd._plain_cuda_outside_capture(x)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    seen = []
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            seen.append(autograd._plain_cuda_outside_capture(x))
+            x.add_(1)
+    assert seen == [False]
 
 
 @gpu
