@@ -76,9 +76,12 @@ def _reference_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_
 
 
 _LAUNCHERS: list = []  # [forward, backward, decode_kernels, tensors] once imported
-# (problem family, device) -> the future of its backward's kernels compiling in the background, then
-# None once a backward has waited for it (or where none started)
-_AHEAD = table("autograd.compile_ahead")
+# Compiling backward kernels ahead (compile_backward_ahead): the problems whose first forward has been
+# seen, the (family, device) pairs whose backward compiled ahead, and the compiles no backward has
+# waited for yet
+_SEEN = table("autograd.compile_ahead_seen")
+_FAMILIES = table("autograd.compile_ahead_families")
+_PENDING: dict = {}
 _EARLY_REPLAY = [True]
 
 
@@ -130,15 +133,23 @@ def compile_backward_ahead(q, k, v, problem: Problem, alibi_slopes=None, packing
     """At the first forward of a family of problems (:attr:`Problem.family`: dtype, head dims, mask,
     variants, layout) that requires a gradient on a device, start compiling its backward's kernels on
     background threads (:func:`flashattn.backward.compile_ahead`): they compile while the forward's
-    kernels do, and while the rest of the model's forward runs. Once per family and device: later
-    shapes that need other kernels compile them when they run, as before. Only for plain CUDA tensors
+    kernels do, and while the rest of the model's forward runs. Once per family and device, and each
+    problem is looked at once (on the device of its first call): later shapes that need other kernels
+    compile them when they run, as before. Only for plain CUDA tensors
     (no subclass or functorch wrapper), under the default tuning, without autotuning (which times real
-    launches) and outside CUDA-graph capture (where another thread's allocation could break it)."""
+    launches) and outside CUDA-graph capture (where another thread's allocation could break it). A
+    problem seen before costs one lookup of its (cached) hash."""
+    if problem in _SEEN:
+        return
+    remember(_SEEN, problem, True)
     key = (problem.family, q.device)
-    if (key in _AHEAD or problem.empty or not _config.tuning_is_default() or _config.autotune_enabled()
+    if (key in _FAMILIES or problem.empty or not _config.tuning_is_default() or _config.autotune_enabled()
             or not _plain_cuda_outside_capture(q)):
         return
-    remember(_AHEAD, key, launchers()[1].compile_ahead(q, k, v, problem, alibi_slopes, packing, sinks))
+    remember(_FAMILIES, key, True)
+    future = launchers()[1].compile_ahead(q, k, v, problem, alibi_slopes, packing, sinks)
+    if future is not None:
+        _PENDING[key] = future
 
 
 def _plain_cuda_outside_capture(q) -> bool:
@@ -148,12 +159,12 @@ def _plain_cuda_outside_capture(q) -> bool:
 
 def wait_for_compile_ahead(problem: Problem, device: torch.device) -> None:
     """Before a backward launches: wait for its family's background compile if one is under way, so
-    that the backward does not compile the same kernels a second time beside it."""
-    if _AHEAD:
-        future = _AHEAD.get((problem.family, device))
+    that the backward does not compile the same kernels a second time beside it. Nothing to do, and
+    no cost beyond an empty-dict test, once every compile started has been waited for."""
+    if _PENDING:
+        future = _PENDING.pop((problem.family, device), None)
         if future is not None:
             future.exception()  # waits; a compile that failed fails again, and reports, at the launch itself
-            _AHEAD[(problem.family, device)] = None
 # --8<-- [end:compile-ahead]
 
 

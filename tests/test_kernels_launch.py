@@ -674,7 +674,8 @@ def test_in_background_keeps_errors_in_its_future_and_can_be_off(monkeypatch):
 
 def test_backward_compiles_ahead_once_per_family_and_device(monkeypatch):
     """autograd.compile_backward_ahead starts one background compile per problem family (dtype, head
-    dims, mask, variants, layout) and device, none for a CPU tensor or under a pinned tuning;
+    dims, mask, variants, layout) and device, looked at once per problem; none for a CPU tensor or
+    under a pinned tuning;
     wait_for_compile_ahead waits for it once. (CUDA tensors are stood in for; the check that a real
     one is a plain CUDA tensor outside graph capture is its own test.)"""
     import types
@@ -696,7 +697,8 @@ def test_backward_compiles_ahead_once_per_family_and_device(monkeypatch):
 
     monkeypatch.setattr(autograd, "launchers", lambda: [None, types.SimpleNamespace(compile_ahead=compile_ahead)])
     monkeypatch.setattr(autograd, "_plain_cuda_outside_capture", lambda q: q.is_cuda)  # no CUDA tensor here
-    monkeypatch.setattr(autograd, "_AHEAD", {})
+    for name in ("_SEEN", "_FAMILIES", "_PENDING"):
+        monkeypatch.setattr(autograd, name, {})
     gpu0 = torch.device("cuda", 0)
     q = types.SimpleNamespace(is_cuda=True, device=gpu0)
 
@@ -707,18 +709,20 @@ def test_backward_compiles_ahead_once_per_family_and_device(monkeypatch):
     autograd.compile_backward_ahead(q, q, q, problem(n=512))  # another shape of the family: nothing new
     assert started == [problem()]
     autograd.compile_backward_ahead(q, q, q, problem(softcap=30.0))  # another family
-    autograd.compile_backward_ahead(types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1)), q, q,
-                                    problem())  # another device
+    gpu1 = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))
+    autograd.compile_backward_ahead(gpu1, q, q, problem())  # a problem seen already: nothing, on any device
+    assert len(started) == 2
+    autograd.compile_backward_ahead(gpu1, q, q, problem(n=128))  # the family's first problem on another device
     assert len(started) == 3
     autograd.compile_backward_ahead(types.SimpleNamespace(is_cuda=False, device=torch.device("cpu")), q, q,
                                     problem(d=32))
     with _config.tuning(gluon=False):
         autograd.compile_backward_ahead(q, q, q, problem(d=128))
     assert len(started) == 3
-    future = autograd._AHEAD[(problem().family, gpu0)]
+    future = autograd._PENDING[(problem().family, gpu0)]
     autograd.wait_for_compile_ahead(problem(n=1024), gpu0)
     autograd.wait_for_compile_ahead(problem(), gpu0)
-    assert future.waited == 1
+    assert future.waited == 1 and (problem().family, gpu0) not in autograd._PENDING
 
 
 def test_only_plain_cuda_tensors_compile_ahead():
