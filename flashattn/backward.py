@@ -30,7 +30,7 @@ from flashattn.device_helpers import (
     LOG2E, backward_query_range, dq_key_range, dropout_keep, packed_tile, program_tile, score_mods, tile_mask,
     window_dq_key_range, window_query_range,
 )
-from flashattn.launch import fork, in_background, join, launch, on_stream, recording, replay
+from flashattn.launch import compiling, fork, in_background, join, launch, on_stream, recording, replay
 from flashattn.tensors import (
     addressable, ceil_div, Descriptors, heads_first, interpreter_needs_float32, tile_offsets,
 )
@@ -531,7 +531,7 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
     gluon_dq = not p.varlen and _config.gluon_kernel("bwd_dq", p, q.device) and hopper.bwd.dq_available()
     record = recording(key)
     if p.varlen:
-        dq, dk, dv = dense_like(q), dense_like(k), dense_like(v)
+        dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
         if p.total_q == 0 or p.total_k == 0:  # no query sees a key: every gradient is zero
             return (dq.zero_(), dk.zero_(), dv.zero_(), *(() if sinks is None else (None,)))
         # (total, H, D) viewed as (1, H, total, D); the row-wise preprocess sees one sequence of total_q rows
@@ -545,7 +545,7 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
         o = o.contiguous()  # read with plain loads by the preprocess kernel: any row stride works
     lse = lse.contiguous()
     if not p.varlen:
-        dq, dk, dv = dq_view, dk_view, dv_view = dense_like(q), dense_like(k), dense_like(v)
+        dq, dk, dv = dq_view, dk_view, dv_view = _grad_like(q), _grad_like(k), _grad_like(v)
     delta = torch.empty((batch, p.heads_q, n_q), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
     if not p.varlen:
@@ -632,14 +632,31 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
 # --8<-- [end:bwd-launch]
 
 
+def _laid_out_like_its_gradient(x: torch.Tensor) -> bool:
+    """Whether :func:`dense_like` would lay a new tensor out exactly as ``x`` is (asked of a meta tensor,
+    which allocates nothing)."""
+    return dense_like(torch.empty_like(x, device="meta")).stride() == x.stride()
+
+
+def _grad_like(x: torch.Tensor) -> torch.Tensor:
+    """A gradient for ``x``: :func:`dense_like` of it. In a call that only compiles
+    (:func:`flashattn.launch.compiling`), which writes nothing, ``x`` itself where it is laid out the same
+    way: the compiled kernels are the same, and a large problem's first forward allocates nothing for them."""
+    if compiling() and _laid_out_like_its_gradient(x):
+        return x
+    return dense_like(x)
+
+
 def compile_ahead(q, k, v, problem: Problem, alibi_slopes=None, packing=None, sinks=None):
     """Start compiling the kernels of the backward of this call on background threads
     (:func:`flashattn.launch.in_background`), for a first forward whose backward will follow: the
     forward's own kernels compile meanwhile, and the backward finds its kernels compiled. The call
-    runs :func:`launch_backward` on stand-ins for o, lse (allocated, never written) and dO (o's
-    layout, as autograd usually passes it); a backward whose dO is laid out otherwise compiles its
-    own kernels. Returns the future of the compiles, or None where none started."""
-    o = output_like(q, problem.dv)
+    runs :func:`launch_backward` on stand-ins for o and dO (q itself where o would be laid out as q is,
+    as autograd usually passes dO) and lse (allocated, small), with q, k and v standing in for their own
+    gradients (:func:`_grad_like`): nothing is written. A backward whose dO is laid out otherwise compiles
+    its own kernels. Returns the future of the compiles, or None where none started."""
+    same = problem.dv == problem.head_dim and _laid_out_like_its_gradient(q)
+    o = q if same else output_like(q, problem.dv)
     lse_shape = (problem.heads_q, problem.total_q) if problem.varlen else (problem.batch, problem.heads_q, problem.n)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     return in_background(q.device, lambda: launch_backward(o, q, k, v, o, lse, problem, None, alibi_slopes, 0,

@@ -549,6 +549,12 @@ _CALLS = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flashattn-
 _COMPILERS = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="flashattn-compile")
 
 
+def compiling() -> bool:
+    """Whether this thread runs a launcher call that only compiles (:func:`in_background`): its
+    launches write nothing, so its outputs may be any tensors laid out as the real ones would be."""
+    return _COMPILE_ONLY.get() is not None
+
+
 def _on(device: int):
     """Make ``device`` the current CUDA device of this thread inside the ``with`` block."""
     return torch.cuda.device(device)

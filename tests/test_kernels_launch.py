@@ -788,3 +788,27 @@ def test_gpu_a_first_backward_finds_its_kernels_compiled_ahead():
     with launch.background_compile(False):
         again = torch.autograd.grad(flashattn.attention(q, k, v, causal=True, softcap=7.5), (q, k, v), do)
     assert all(torch.equal(a, b) for a, b in zip(grads, again))
+
+
+def test_a_call_that_only_compiles_takes_its_inputs_as_its_gradients(monkeypatch):
+    """In a call run by in_background, the backward's gradients are its inputs where a new gradient
+    would be laid out the same way (nothing is written, nothing allocated); a gradient of another
+    layout is allocated as dense_like lays it out. Outside such a call every gradient is new."""
+    from flashattn import backward, launch as L
+
+    _no_cuda_device(monkeypatch)
+    dense = torch.zeros(2, 3, 8, 16)
+    transposed = torch.zeros(2, 8, 3, 16).transpose(1, 2)  # (B, N, H, D) memory: dense, not contiguous
+    gapped = torch.zeros(2, 8, 3, 3, 16)[:, :, 0].transpose(1, 2)  # q of a packed qkv: not dense
+    seen = {}
+
+    def call():
+        seen.update({name: backward._grad_like(x) for name, x in
+                     (("dense", dense), ("transposed", transposed), ("gapped", gapped))})
+
+    L.in_background(torch.device("cuda", 0), call).result(timeout=60)
+    assert seen["dense"] is dense and seen["transposed"] is transposed
+    real = [backward._grad_like(x) for x in (dense, transposed, gapped)]  # outside: all new
+    assert all(g is not x for g, x in zip(real, (dense, transposed, gapped)))
+    assert [g.stride() for g in real[:2]] == [dense.stride(), transposed.stride()]
+    assert seen["gapped"] is not gapped and seen["gapped"].stride() == real[2].stride() != gapped.stride()
