@@ -143,8 +143,8 @@ def compile_backward_ahead(q, k, v, problem: Problem, alibi_slopes=None, packing
         return
     remember(_SEEN, problem, True)
     key = (problem.family, q.device)
-    if (key in _FAMILIES or problem.empty or not _config.tuning_is_default() or _config.autotune_enabled()
-            or not _plain_cuda_outside_capture(q)):
+    if (key in _FAMILIES or problem.empty or (problem.varlen and not (problem.total_q and problem.total_k))
+            or not _config.tuning_is_default() or _config.autotune_enabled() or not _plain_cuda_outside_capture(q)):
         return
     remember(_FAMILIES, key, True)
     future = launchers()[1].compile_ahead(q, k, v, problem, alibi_slopes, packing, sinks)

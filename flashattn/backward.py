@@ -533,6 +533,8 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
     if p.varlen:
         dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
         if p.total_q == 0 or p.total_k == 0:  # no query sees a key: every gradient is zero
+            if compiling():  # nothing to compile, and dq, dk, dv may be q, k, v themselves: write nothing
+                return (dq, dk, dv, *(() if sinks is None else (None,)))
             return (dq.zero_(), dk.zero_(), dv.zero_(), *(() if sinks is None else (None,)))
         # (total, H, D) viewed as (1, H, total, D); the row-wise preprocess sees one sequence of total_q rows
         do, q, k, v, o, dq_view, dk_view, dv_view = (heads_first(x) for x in (do, q, k, v, o, dq, dk, dv))

@@ -718,6 +718,8 @@ def test_backward_compiles_ahead_once_per_family_and_device(monkeypatch):
                                     problem(d=32))
     with _config.tuning(gluon=False):
         autograd.compile_backward_ahead(q, q, q, problem(d=128))
+    no_key = Problem(1, 4, 4, 5, 0, 96, torch.float16, False, 0.1, layout="packed", total_q=5, total_k=0)
+    autograd.compile_backward_ahead(q, q, q, no_key)  # a pack with no key: no backward kernel to compile
     assert len(started) == 3
     future = autograd._PENDING[(problem().family, gpu0)]
     autograd.wait_for_compile_ahead(problem(n=1024), gpu0)
@@ -812,3 +814,30 @@ def test_a_call_that_only_compiles_takes_its_inputs_as_its_gradients(monkeypatch
     assert all(g is not x for g, x in zip(real, (dense, transposed, gapped)))
     assert [g.stride() for g in real[:2]] == [dense.stride(), transposed.stride()]
     assert seen["gapped"] is not gapped and seen["gapped"].stride() == real[2].stride() != gapped.stride()
+
+
+def test_a_backward_that_only_compiles_writes_nothing(monkeypatch):
+    """The backward launcher run by in_background on real (CPU, float16) tensors: its gradients are
+    q, k and v themselves and no value of them changes, for a dense problem and for a packed one
+    whose sequences have no key (which a real backward answers by zeroing its gradients)."""
+    from flashattn import backward, launch as L
+
+    _no_cuda_device(monkeypatch)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=gen).half() for _ in range(3))
+    packed_q = torch.randn(5, 2, 32, generator=gen).half()
+    packed_kv = torch.zeros(0, 2, 32, dtype=torch.float16)
+    before = [x.clone() for x in (q, k, v, packed_q)]
+    got = []
+
+    def call():
+        got.append(backward.launch_backward(q, q, k, v, q, torch.zeros(1, 2, 40), Problem.of(q, k, True, None)))
+        cu_q, cu_k = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32)
+        problem = Problem.packed(packed_q, packed_kv, 1, 5, 0, causal=False)
+        got.append(backward.launch_backward(packed_q, packed_q, packed_kv, packed_kv, packed_q, torch.zeros(2, 5),
+                                            problem, None, None, 0, (cu_q, cu_k)))
+
+    L.in_background(torch.device("cuda", 0), call).result(timeout=120)
+    (dq, dk, dv), (pdq, _, _) = got
+    assert dq is q and dk is k and dv is v and pdq is packed_q
+    assert all(torch.equal(x, y) for x, y in zip((q, k, v, packed_q), before))
