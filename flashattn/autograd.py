@@ -129,7 +129,8 @@ def _kernel_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0,
 
 
 # --8<-- [start:compile-ahead]
-def compile_backward_ahead(q, k, v, problem: Problem, alibi_slopes=None, packing=None, sinks=None) -> None:
+def compile_backward_ahead(q, k, v, problem: Problem, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                           sinks=None) -> None:
     """At the first forward of a family of problems (:attr:`Problem.family`: dtype, head dims, mask,
     variants, layout) that requires a gradient on a device, start compiling its backward's kernels on
     background threads (:func:`flashattn.backward.compile_ahead`): they compile while the forward's
@@ -147,7 +148,9 @@ def compile_backward_ahead(q, k, v, problem: Problem, alibi_slopes=None, packing
             or not _config.tuning_is_default() or _config.autotune_enabled() or not _plain_cuda_outside_capture(q)):
         return
     remember(_FAMILIES, key, True)
-    future = launchers()[1].compile_ahead(q, k, v, problem, alibi_slopes, packing, sinks)
+    packing = None if cu_seqlens_q is None else (cu_seqlens_q, cu_seqlens_k)
+    future = launchers()[1].compile_ahead(q, k, v, problem, alibi_slopes, packing,
+                                          None if sinks is None else sinks.detach().contiguous())
     if future is not None:
         _PENDING[key] = future
 
@@ -157,12 +160,12 @@ def _plain_cuda_outside_capture(q) -> bool:
             and not torch.cuda.is_current_stream_capturing())
 
 
-def wait_for_compile_ahead(problem: Problem, device: torch.device) -> None:
-    """Before a backward launches: wait for its family's background compile if one is under way, so
-    that the backward does not compile the same kernels a second time beside it. Nothing to do, and
-    no cost beyond an empty-dict test, once every compile started has been waited for."""
+def wait_for_compile_ahead(problem: Problem, q) -> None:
+    """Before a backward launches: wait for its family's background compile on q's device if one is
+    under way, so that the backward does not compile the same kernels a second time beside it.
+    Nothing to do, and no cost beyond an empty-dict test, once every compile started has been waited for."""
     if _PENDING:
-        future = _PENDING.pop((problem.family, device), None)
+        future = _PENDING.pop((problem.family, q.device), None)
         if future is not None:
             future.exception()  # waits; a compile that failed fails again, and reports, at the launch itself
 # --8<-- [end:compile-ahead]
@@ -348,9 +351,7 @@ class AttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, problem: Problem, use_kernels: bool, alibi_slopes=None, seed: int = 0,
                 cu_seqlens_q=None, cu_seqlens_k=None, sinks=None):
         if use_kernels:
-            compile_backward_ahead(q, k, v, problem, alibi_slopes,
-                                   None if cu_seqlens_q is None else (cu_seqlens_q, cu_seqlens_k),
-                                   None if sinks is None else sinks.detach().contiguous())
+            compile_backward_ahead(q, k, v, problem, alibi_slopes, cu_seqlens_q, cu_seqlens_k, sinks)
         o, lse = AttentionFunction.run_forward(q, k, v, problem, use_kernels, alibi_slopes, seed, cu_seqlens_q,
                                                cu_seqlens_k, sinks)
         if alibi_slopes is None and cu_seqlens_q is None and sinks is None:  # a short call feels each saved None
@@ -371,7 +372,7 @@ class AttentionFunction(torch.autograd.Function):
         if do is None:  # only the LSE was used
             do = torch.zeros_like(o)
         if use_kernels:
-            wait_for_compile_ahead(problem, q.device)
+            wait_for_compile_ahead(problem, q)
         if not extras and tuning is _config.DEFAULT_TUNING and _replayable(q, problem, use_kernels):
             # a repeated call's recipe, as in run_forward (not under a tuning the forward pinned)
             grads = launchers()[1].replay_backward(do, q, k, v, o, lse, problem, dlse, None, seed)

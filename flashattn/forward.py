@@ -287,16 +287,16 @@ def forward_key(q, k, v, problem: Problem, alibi_slopes=None):
     self-attention of x with itself) repeats that call's launches with its own tensors: no config
     lookup, descriptor object or argument binding (flashattn.launch.Recipe). A tensor subclass takes
     the full path: its outputs are of the subclass (empty_like), a replay's are not."""
-    if problem.varlen or problem.descale or type(q) is not torch.Tensor:  # float8: v is copied per call
+    if problem.varlen or problem.descale or type(q) is not torch.Tensor:  # float8: v may be copied per call (keys_last)
         return None
     return (problem, q.device, q.stride(), k.stride(), v.stride(), alibi_slopes is not None and alibi_slopes.dim(),
             (k is q, v is q, v is k))
 
 
-def replay_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, sinks=None, descales=None):
+def replay_forward(q, k, v, problem: Problem, alibi_slopes=None, seed: int = 0, sinks=None):
     """``(o, lse)`` of :func:`launch_forward` from the recipe an earlier call with this key left, or None
     where there is none: the caller made q's device the current one and runs the dense kernels."""
-    return replay(forward_key(q, k, v, problem, alibi_slopes), (q, k, v, alibi_slopes, sinks, descales),
+    return replay(forward_key(q, k, v, problem, alibi_slopes), (q, k, v, alibi_slopes, sinks),
                   seed_halves(problem, seed))
 
 
@@ -321,7 +321,7 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: P
         return o.to(q.dtype), lse
     p = problem
     key = forward_key(q, k, v, p, alibi_slopes)
-    inputs, free = (q, k, v, alibi_slopes, sinks, descales), seed_halves(p, seed)
+    inputs, free = (q, k, v, alibi_slopes, sinks), seed_halves(p, seed)  # float8 calls are never recorded
     replayed = replay(key, inputs, free)
     if replayed is not None:
         return replayed
@@ -331,8 +331,8 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: P
         # it makes its inputs TMA-readable itself (a copy it makes is no input: then nothing is kept).
         # Float8 inputs take v keys last and give a bfloat16 o (never recorded: forward_key)
         if p.descale:
-            o, lse = hopper.fwd.forward(q, k, keys_last(v), p.causal, p.scale, out=dense_like(q, torch.bfloat16),
-                                        descales=descales)
+            o, lse = hopper.fwd.forward(q, k, keys_last(v), p.causal, p.scale,
+                                        out=dense_like(q, _output_dtype(p)), descales=descales)
             return o, lse
         o, lse = hopper.fwd.forward(q, k, v, p.causal, p.scale, out=dense_like(q), record=record)
         if record is not None:

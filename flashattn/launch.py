@@ -269,7 +269,7 @@ class _Join(_Fork):
 def _switch(switch: _Fork, record: Recording | None) -> None:
     """Make the stream switch now, and keep it in ``record`` for the recipe's replays (none in a call
     that only compiles, :func:`in_background`)."""
-    if _COMPILE_ONLY.get() is not None:
+    if compiling():
         return
     switch(_current_device())
     if record is not None:
@@ -374,8 +374,7 @@ def recording(key) -> Recording | None:
     """A :class:`Recording` for a launcher call with ``key`` (None: a call that is never replayed),
     made when no recipe is kept for the key yet and the default tuning is in force (and never for a
     call that only compiles, :func:`in_background`)."""
-    if (key is None or key in _RECIPES or not _FAST_PATH[0] or not _config.tuning_is_default()
-            or _COMPILE_ONLY.get() is not None):
+    if key is None or key in _RECIPES or not _FAST_PATH[0] or not _config.tuning_is_default() or compiling():
         return None
     return Recording(key)
 
@@ -384,7 +383,7 @@ def replay(key, inputs: tuple, free: tuple = ()):
     """The outputs of a launcher call repeated from its recipe (:meth:`Recording.keep`) with these
     ``inputs`` and per-call integers, or None when there is no recipe for ``key`` or it does not
     apply now (a launch hook set, a misaligned input, a pinned tuning)."""
-    if key is None or _COMPILE_ONLY.get() is not None:
+    if key is None or compiling():
         return None
     recipe = _RECIPES.get(key)
     if recipe is None or not _FAST_PATH[0] or not _config.tuning_is_default():
@@ -415,15 +414,20 @@ _FAST_PATH = [triton.__version__.startswith(FAST_PATH_TRITON)]
 
 
 @contextlib.contextmanager
-def fast_path(enabled: bool):
-    """Launch through the fast path (where this Triton has it) or through ``kernel[grid](...)`` alone
-    inside the ``with`` block."""
-    before = _FAST_PATH[0]
-    _FAST_PATH[0] = bool(enabled) and triton.__version__.startswith(FAST_PATH_TRITON)
+def _holding(switch: list, value: bool):
+    """Set the process-wide ``switch`` (a one-item list) to ``value`` inside the ``with`` block."""
+    before = switch[0]
+    switch[0] = value
     try:
         yield
     finally:
-        _FAST_PATH[0] = before
+        switch[0] = before
+
+
+def fast_path(enabled: bool):
+    """Launch through the fast path (where this Triton has it) or through ``kernel[grid](...)`` alone
+    inside the ``with`` block."""
+    return _holding(_FAST_PATH, bool(enabled) and triton.__version__.startswith(FAST_PATH_TRITON))
 
 
 _COMPILED = table("launch.compiled")  # launch signature -> (kernel, compiled kernel, its direct launch or None)
@@ -499,9 +503,9 @@ def launch(kernel, grid, args: tuple, constexprs: dict, options: dict, record: R
     path marks it incomplete, so no recipe is kept from it.
     """
     grid = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
-    compiling = _COMPILE_ONLY.get()
-    if compiling is not None:  # in_background: compile, launch nothing
-        device, compiles = compiling
+    dry_run = _COMPILE_ONLY.get()
+    if dry_run is not None:  # in_background: compile, launch nothing
+        device, compiles = dry_run
         if not _interpreted(kernel):
             compiles.append(_COMPILERS.submit(_compile, device, kernel, grid, args, constexprs, options))
         return
@@ -598,13 +602,7 @@ def in_background(device: torch.device, call) -> concurrent.futures.Future | Non
     return future
 
 
-@contextlib.contextmanager
 def background_compile(enabled: bool):
     """Let :func:`in_background` compile (the default) or do nothing inside the ``with`` block."""
-    before = _BACKGROUND[0]
-    _BACKGROUND[0] = bool(enabled)
-    try:
-        yield
-    finally:
-        _BACKGROUND[0] = before
+    return _holding(_BACKGROUND, bool(enabled))
 # --8<-- [end:background]

@@ -45,12 +45,6 @@ def describable(x: torch.Tensor) -> bool:
             and all(st * size % 16 == 0 for st in x.stride()[:-1]))
 
 
-def _padded_row(length: int, x: torch.Tensor) -> int:
-    """``length`` elements of x's dtype rounded up to a whole number of 16 bytes (a descriptor's row)."""
-    per_16_bytes = 16 // x.element_size()
-    return -(-length // per_16_bytes) * per_16_bytes
-
-
 def addressable(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself when the kernels can read it through tensor descriptors, else an aligned copy.
 
@@ -62,7 +56,9 @@ def addressable(x: torch.Tensor) -> torch.Tensor:
     """
     if describable(x):
         return x
-    buffer = torch.empty((*x.shape[:-1], _padded_row(x.shape[-1], x)), dtype=x.dtype, device=x.device)
+    per_16_bytes = 16 // x.element_size()
+    padded_d = -(-x.shape[-1] // per_16_bytes) * per_16_bytes
+    buffer = torch.empty((*x.shape[:-1], padded_d), dtype=x.dtype, device=x.device)
     view = buffer[..., : x.shape[-1]]
     view.copy_(x)
     return view

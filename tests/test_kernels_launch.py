@@ -722,8 +722,8 @@ def test_backward_compiles_ahead_once_per_family_and_device(monkeypatch):
     autograd.compile_backward_ahead(q, q, q, no_key)  # a pack with no key: no backward kernel to compile
     assert len(started) == 3
     future = autograd._PENDING[(problem().family, gpu0)]
-    autograd.wait_for_compile_ahead(problem(n=1024), gpu0)
-    autograd.wait_for_compile_ahead(problem(), gpu0)
+    autograd.wait_for_compile_ahead(problem(n=1024), q)
+    autograd.wait_for_compile_ahead(problem(), q)
     assert future.waited == 1 and (problem().family, gpu0) not in autograd._PENDING
 
 
