@@ -139,6 +139,28 @@ class FlashAttnOneStream(FlashAttnTuned):
     TUNING = {"overlap_dq": False}
 
 
+class FlashAttnNondeterministic(FlashAttnTuned):
+    """flashattn.attention(..., deterministic=False) inside ``flashattn._config.tuning(atomic_dq=True)``: the
+    backward sums dQ with TMA reductions inside the Hopper dK/dV kernel where that kernel runs at D = 128
+    (elsewhere the same kernels as flashattn). Not in the default run."""
+
+    name, label, ours = "flashattn_nondet", "flashattn, deterministic=False, atomic dQ", False
+    TUNING = {"atomic_dq": True}
+
+    def prepare(self, setting, device):
+        import flashattn
+        from flashattn import _config
+
+        inner = functools.partial(flashattn.attention, causal=setting.causal, deterministic=False)
+
+        def fn(q, k, v):
+            with _config.tuning(**self.TUNING):
+                return inner(q, k, v)
+
+        fn.gqa = "native" if setting.gqa else None
+        return fn
+
+
 class SDPA(Provider):
     """torch.nn.functional.scaled_dot_product_attention restricted to one backend by torch.nn.attention.sdpa_kernel; GQA by enable_gqa=True where the backend takes it, else K/V repeated."""
 
@@ -310,6 +332,7 @@ PROVIDERS = {
         FlashAttn(),
         FlashAttnPortable(),
         FlashAttnOneStream(),
+        FlashAttnNondeterministic(),
         SDPA("sdpa_flash", "SDPA flash (FlashAttention 2)", "FLASH_ATTENTION"),
         SDPA("sdpa_cudnn", "SDPA cuDNN", "CUDNN_ATTENTION"),
         SDPA("sdpa_efficient", "SDPA memory-efficient", "EFFICIENT_ATTENTION"),

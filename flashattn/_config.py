@@ -194,7 +194,10 @@ class Tuning:
     ``row_stats_in_dq`` lets the portable dQ kernel, where it runs on the current stream, go first and
     compute delta and the base-2 LSE itself, in place of the preprocess kernel's launch; ``gluon``
     lets the Hopper kernels in Gluon replace the portable ones where :func:`gluon_kernel` says so;
-    ``sm_margin`` is how many SMs a persistent launch (one CTA per SM) leaves free.
+    ``sm_margin`` is how many SMs a persistent launch (one CTA per SM) leaves free; ``atomic_dq`` lets
+    a backward that ``deterministic=False`` permits sum dQ inside the Hopper dK/dV kernel with TMA
+    reductions (:func:`flashattn.backward.atomic_dq`), off by default: it measured slower than the
+    deterministic pair at every shape tried (docs/kernels/tuning-log.md#a-nondeterministic-backward-in-gluon-issue-46).
     """
 
     configs: dict = field(default_factory=dict)
@@ -203,6 +206,7 @@ class Tuning:
     gluon: bool = True  # the Hopper kernels in Gluon where they apply (:func:`gluon_kernel`)
     row_stats_in_dq: bool = True
     sm_margin: int = 0
+    atomic_dq: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -237,7 +241,7 @@ class tuning_of:
 @contextlib.contextmanager
 def tuning(*, fwd: KernelConfig | None = None, bwd_dkdv: KernelConfig | None = None,
            bwd_dq: KernelConfig | None = None, heads_per_group: int | None = None, overlap_dq: bool = True,
-           gluon: bool = True, row_stats_in_dq: bool = True):
+           gluon: bool = True, row_stats_in_dq: bool = True, atomic_dq: bool = False):
     """Pin launch choices for the calls inside the ``with`` block, and restore the previous ones after.
 
     ``with tuning(fwd=KernelConfig(128, 64, 8, 3)): ...`` times one tile without touching the table;
@@ -245,7 +249,7 @@ def tuning(*, fwd: KernelConfig | None = None, bwd_dkdv: KernelConfig | None = N
     """
     pinned = {name: cfg for name, cfg in (("fwd", fwd), ("bwd_dkdv", bwd_dkdv), ("bwd_dq", bwd_dq))
               if cfg is not None}
-    token = _TUNING.set(Tuning(pinned, heads_per_group, overlap_dq, gluon, row_stats_in_dq))
+    token = _TUNING.set(Tuning(pinned, heads_per_group, overlap_dq, gluon, row_stats_in_dq, atomic_dq=atomic_dq))
     try:
         yield
     finally:
@@ -322,15 +326,16 @@ def gluon_kernel(kernel: str, problem: Problem, device: torch.device) -> bool:
     if found is None:
         p = problem
         if p.descale:
-            dims, bars = (GLUON_FP8_HEAD_DIMS if kernel == "fwd" else ()), GLUON_FP8_MIN_WORK
+            dims = GLUON_FP8_HEAD_DIMS if kernel == "fwd" else ()
         else:
-            dims, bars = GLUON_HEAD_DIMS.get(kernel, ()), GLUON_MIN_WORK.get((kernel, p.head_dim))
-        found = remember(_GLUON, key, (
-            p.head_dim in dims and not is_interpreter()
+            dims = GLUON_HEAD_DIMS.get(kernel, ())
+        found = remember(_GLUON, key, p.head_dim in dims and (
+            not is_interpreter()
             and not (p.varlen or p.window is not None or p.softcap or p.alibi or p.dropout_p or p.head_dim_v
                      or p.sinks)
             and p.scale > 0
-            and p.batch * p.heads_q * p.n * p.m * p.head_dim >= bars[int(p.causal)]
+            and p.batch * p.heads_q * p.n * p.m * p.head_dim
+            >= (GLUON_FP8_MIN_WORK if p.descale else GLUON_MIN_WORK[(kernel, p.head_dim)])[int(p.causal)]
             and _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)))
     return found
 # --8<-- [end:gluon-dispatch]

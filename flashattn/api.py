@@ -196,10 +196,17 @@ def _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slope
     return check_variants(q, q.shape[0], q.shape[1], window, softcap, alibi_slopes, dropout_p)
 
 
+def check_deterministic(deterministic) -> None:
+    """``deterministic`` must be a bool (a truthy string or tensor would silently pick a backward)."""
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+
+
 _DESCRIBED = table("api.described")  # the signature of a call that passed the checks -> its Problem
 
 
-def _signature(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p, has_sinks=False):
+def _signature(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p, has_sinks=False,
+               deterministic=True):
     """Everything the checks and :class:`Problem` of a call read, the type of each argument included
     (True and 1 hash alike, but only one is a valid ``causal``); None when an argument is unhashable."""
     try:
@@ -209,18 +216,19 @@ def _signature(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes
                 window is not None and tuple(map(type, window)), type(softcap), softcap,
                 alibi_slopes is not None and (type(alibi_slopes), alibi_slopes.shape, alibi_slopes.dtype,
                                               alibi_slopes.device),
-                type(dropout_p), dropout_p, has_sinks)
+                type(dropout_p), dropout_p, has_sinks, type(deterministic), deterministic)
     except (AttributeError, TypeError):  # not tensors, or a window that is not a sequence
         return None
 
 
 def _described(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p,
-               has_sinks: bool = False) -> Problem:
+               has_sinks: bool = False, deterministic: bool = True) -> Problem:
     """Check a call against the contract and describe it. The checks and the description are a pure
     function of the arguments' types, the tensors' shapes, dtypes and devices and the options'
     values, so a call with the signature of an earlier valid one reuses its Problem: a short call
     feels the microseconds the checks take."""
-    signature = _signature(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p, has_sinks)
+    signature = _signature(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p, has_sinks,
+                           deterministic)
     try:
         problem = _DESCRIBED.get(signature) if signature is not None else None
     except TypeError:  # an unhashable option, e.g. a window given as a list
@@ -228,8 +236,10 @@ def _described(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes
     if problem is not None:
         return problem
     window, softcap = _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p)
+    check_deterministic(deterministic)
     problem = Problem.of(q, k, causal, scale, window=window, softcap=softcap, alibi=alibi_slopes is not None,
-                         dropout_p=float(dropout_p), head_dim_v=v.shape[-1], sinks=has_sinks)
+                         dropout_p=float(dropout_p), head_dim_v=v.shape[-1], sinks=has_sinks,
+                         deterministic=deterministic)
     if signature is not None:
         remember(_DESCRIBED, signature, problem)
     return problem
@@ -274,7 +284,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               return_lse: bool = False, window: tuple[int | None, int | None] | None = None,
               softcap: float | None = None, alibi_slopes: torch.Tensor | None = None, dropout_p: float = 0,
               generator: torch.Generator | None = None, seed: int | None = None,
-              sinks: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              sinks: torch.Tensor | None = None,
+              deterministic: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention, FlashAttention style: O(N) extra memory, exact result.
 
     Args:
@@ -315,6 +326,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             every row's softmax denominator as one more score with no value, so the keys' weights sum
             to less than 1; the LSE counts it (a row with no key gets o = 0, LSE = the sink). It
             receives a gradient; composes with every other option.
+        deterministic: True (the default): the backward gives bitwise the same gradients on every run.
+            False lets it sum dQ with floating-point atomic additions, whose order varies between runs
+            (their last bits too), to skip recomputing two of the seven products; it applies where the
+            Hopper backward in Gluon runs at D = 128 (large plain problems on sm_90), and elsewhere the
+            deterministic kernels run.
 
     Returns:
         ``o`` of the shape and dtype of ``q``, or ``(o, lse)`` when ``return_lse`` is set. Empty
@@ -337,6 +353,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if torch.compiler.is_compiling():
         # traced once per graph: the full checks, with no cache keyed by (symbolic) shapes
         window, softcap = _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p)
+        check_deterministic(deterministic)
         check_dropout_source(generator, seed)
         if dropout_p > 0 and seed is None:
             raise ValueError("under torch.compile, dropout needs an explicit seed= (a generator cannot be traced)")
@@ -351,14 +368,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         o, lse = torch.ops.flashattn.attention_forward(
             q, k, v, causal, scale, -1 if left is None else left, -1 if right is None else right, softcap,
             alibi_slopes, dropout_p, int(seed) if dropout_p > 0 else 0,
-            sinks=None if sinks is None else sinks.contiguous())
+            sinks=None if sinks is None else sinks.contiguous(), deterministic=deterministic)
     else:
         # Eager calls skip the operator dispatcher (tens of microseconds of a short call) and run the
         # same backends through an autograd.Function, or, when no gradient can flow (inference,
         # torch.no_grad), call the forward backend itself: autograd.Function.apply costs a short
         # call microseconds even when it records nothing.
         problem = _described(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p,
-                             sinks is not None)
+                             sinks is not None, deterministic)
         check_dropout_source(generator, seed)
         if alibi_slopes is not None:
             alibi_slopes = alibi_slopes.detach().contiguous()

@@ -482,11 +482,26 @@ def _second_stream(q: torch.Tensor, problem: Problem) -> torch.cuda.Stream | Non
     return _SIDE_STREAMS[q.device]
 
 
+def atomic_dq(problem: Problem, device: torch.device) -> bool:
+    """Whether the backward of ``problem`` sums dQ with TMA reductions inside the Hopper dK/dV kernel,
+    skipping the dQ kernel: only where ``deterministic=False`` permits it, a :func:`flashattn._config.tuning`
+    turns it on (it measured slower than the deterministic pair, so nothing else does) and that kernel
+    runs (plain dense problems past the Gluon bar on sm_90) at D = 128. Its dQ's last bits vary from
+    run to run."""
+    return (not problem.deterministic and _config.current_tuning().atomic_dq and problem.layout == "dense"
+            and not problem.head_dim_v
+            and not problem.sinks
+            and problem.head_dim in hopper.bwd.ATOMIC_DQ_HEAD_DIMS
+            and _config.gluon_kernel("bwd_dkdv", problem, device) and hopper.bwd.atomic_available())
+
+
 def backward_key(do, q, k, v, o, lse, problem: Problem, dlse, alibi_slopes, side) -> tuple | None:
     """The key of a :func:`launch_backward` call (None: never replayed). A repeated call replays the
     first one's launches with its own tensors (as in the forward, :func:`flashattn.forward.forward_key`),
     the stream switches of dQ's second stream ``side`` (large problems only) included."""
     if problem.varlen or type(q) is not torch.Tensor:  # a subclass: the full path
+        return None
+    if atomic_dq(problem, q.device):  # allocates and scales dQ outside kernels
         return None
     return (problem, q.device, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(), lse.stride(),
             dlse is not None and dlse.stride(), alibi_slopes is not None and alibi_slopes.dim(),
@@ -520,7 +535,8 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
                                 alibi_slopes, seed, packing, sinks)
         return (*(g.to(q.dtype) for g in grads[:3]), *grads[3:])
     p = problem
-    side = _second_stream(q, p)
+    atomic = atomic_dq(p, q.device)
+    side = None if atomic else _second_stream(q, p)
     key = backward_key(do, q, k, v, o, lse, p, dlse, alibi_slopes, side)
     inputs, free = (do, q, k, v, o, lse, dlse, alibi_slopes, sinks), seed_halves(p, seed)
     replayed = replay(key, inputs, free)
@@ -528,7 +544,7 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
         return replayed[:3] if sinks is None else (*replayed[:3], _sinks_grad(replayed[5], p, sinks))
     # dK/dV and dQ by the Hopper kernels in Gluon (large plain problems on sm_90, _config.gluon_kernel)
     gluon_dkdv = not p.varlen and _config.gluon_kernel("bwd_dkdv", p, q.device) and hopper.bwd.available()
-    gluon_dq = not p.varlen and _config.gluon_kernel("bwd_dq", p, q.device) and hopper.bwd.dq_available()
+    gluon_dq = not atomic and not p.varlen and _config.gluon_kernel("bwd_dq", p, q.device) and hopper.bwd.dq_available()
     record = recording(key)
     if p.varlen:
         dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
@@ -557,7 +573,7 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
     # Where dQ runs on the current stream in the portable kernel, it runs first and computes delta and
     # lse2 for its own rows, which dK/dV then reads: one launch fewer, which a short call feels. Beside
     # dK/dV on a second stream, or in Gluon, the preprocess kernel computes them first.
-    row_stats = side is None and not gluon_dq and _config.current_tuning().row_stats_in_dq
+    row_stats = side is None and not gluon_dq and not atomic and _config.current_tuning().row_stats_in_dq
     if not row_stats:
         block = 32 if _config.is_interpreter() else PREPROCESS_BLOCK
         n_rows = ceil_div(n_q, block)
@@ -570,9 +586,17 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
     desc = Descriptors(p.block_d)  # shared by the two kernels where their tiles agree
     sink_parts = [delta]  # the dQ launch's per-block shares of the sinks' gradient (HAS_SINKS), once it ran
 
+    dq_accum = None
+    if atomic:  # dQ summed by the dK/dV kernel
+        # (a call that only compiles takes one block: the kernel is specialized on the descriptor's
+        # dtype and tile, not on its shape)
+        shape = (1, 1, hopper.bwd.BLOCK_M, p.head_dim) if compiling() else (batch, p.heads_q, n_q, p.head_dim)
+        dq_accum = torch.zeros(shape, dtype=torch.float32, device=q.device)
+
     def run_dkdv(plan: _config.Plan | None, record=None):
         if plan is None:  # the Hopper kernel in Gluon, whose tiles are its own
-            hopper.bwd.dkdv(q, k, v, do, lse2, delta, dk_view, dv_view, p.causal, p.scale, record=record)
+            hopper.bwd.dkdv(q, k, v, do, lse2, delta, dk_view, dv_view, p.causal, p.scale, record=record,
+                            dq_accum=dq_accum)
             return
         cfg = plan.config
         offsets = tile_offsets(cu_k, cfg.block_n) if p.varlen else delta
@@ -603,6 +627,11 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
                       "HAS_SINKS": sinks is not None}
         launch(_bwd_dq_kernel, plan.grid, args, constexprs, plan.options, record)
 
+    if atomic:  # dK, dV and the dQ sums in one kernel
+        run_dkdv(None)
+        if not compiling():
+            dq.copy_(dq_accum.mul_(p.scale))
+        return dq, dk, dv  # (no sinks: the Gluon kernels never take them)
     device = q.device
     if p.varlen:  # the fixed table entries, as in the forward
         plan_dkdv = _config.plan_for("bwd_dkdv", p, device, _config.get_config("bwd_dkdv", p, device))

@@ -43,7 +43,7 @@ def _shapes_as_passed(q, k, v) -> ValueError | None:
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0,
                     softmax_scale: float | None = None, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
-                    softcap: float = 0, alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                    softcap: float = 0, alibi_slopes: torch.Tensor | None = None, deterministic: bool = True,
                     return_attn_probs: bool = False, *, generator: torch.Generator | None = None,
                     seed: int | None = None):
     """Drop-in for ``flash_attn.flash_attn_func``: tensors are (B, N, H, D) instead of (B, H, N, D).
@@ -52,8 +52,10 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     (any negative value) for an unbounded side, ``softcap`` 0 for off, ``alibi_slopes`` float32 (H,)
     or (B, H), ``dropout_p`` drawn with ``generator`` (torch's default CPU generator when None; pass
     ``dropout_p=0.0`` at evaluation) or from the explicit ``seed`` (what dropout needs under
-    ``torch.compile``). See :func:`attention` for each. The kernels are always
-    deterministic, so ``deterministic`` is accepted and has no effect. With ``return_attn_probs`` the
+    ``torch.compile``). See :func:`attention` for each, ``deterministic`` included: False allows a
+    backward whose dQ differs in its last bits between runs, where one is faster (FlashAttention 2's
+    default is False; this one's is True, so a call that does not ask gets the same bits every run).
+    With ``return_attn_probs`` the
     result is ``(out, softmax_lse, None)``, the LSE shaped (B, H, N); flashattn never materializes
     the probabilities.
     """
@@ -67,7 +69,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         out, lse = attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=softmax_scale,
             return_lse=True, window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-            generator=generator, seed=seed,
+            generator=generator, seed=seed, deterministic=deterministic,
         )
     except ValueError:
         restated = _shapes_as_passed(q, k, v)
@@ -82,7 +84,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0,
                            softmax_scale: float | None = None, causal: bool = False,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0,
-                           alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                           alibi_slopes: torch.Tensor | None = None, deterministic: bool = True,
                            return_attn_probs: bool = False, block_table: torch.Tensor | None = None):
     """Drop-in for ``flash_attn.flash_attn_varlen_func``: the same packed layout and argument names.
 
@@ -90,8 +92,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     ``block_table`` (B, max_pages) int32, k and v are a paged cache (num_pages, page_size, Hkv, D) and
     ``cu_seqlens_k`` counts each sequence's keys in its pages. ``window_size``, ``softcap``,
     ``alibi_slopes`` and ``dropout_p`` mean what they mean in :func:`flash_attn_func` and act inside each
-    sequence (:func:`attention_varlen`). The kernels are always deterministic, so ``deterministic`` has
-    no effect. With ``return_attn_probs`` the result is ``(out, softmax_lse, None)``, the LSE
+    sequence (:func:`attention_varlen`). Packed sequences always take the deterministic kernels, so
+    ``deterministic`` has no effect here. With ``return_attn_probs`` the result is ``(out, softmax_lse, None)``, the LSE
     (Hq, total_q); the probabilities are never materialized.
     """
     out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
@@ -113,7 +115,7 @@ def _unpack(x: torch.Tensor, name: str, parts: int, dim: int) -> tuple[torch.Ten
 
 def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0, softmax_scale: float | None = None,
                               causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0,
-                              alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                              alibi_slopes: torch.Tensor | None = None, deterministic: bool = True,
                               return_attn_probs: bool = False):
     """Drop-in for ``flash_attn.flash_attn_qkvpacked_func``: ``qkv`` (B, N, 3, H, D), the rest as
     :func:`flash_attn_func`."""
@@ -125,7 +127,7 @@ def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0, softmax_s
 def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0,
                              softmax_scale: float | None = None, causal: bool = False,
                              window_size: tuple[int, int] = (-1, -1), softcap: float = 0,
-                             alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                             alibi_slopes: torch.Tensor | None = None, deterministic: bool = True,
                              return_attn_probs: bool = False):
     """Drop-in for ``flash_attn.flash_attn_kvpacked_func``: q (B, N, Hq, D), ``kv`` (B, M, 2, Hkv, D)."""
     k, v = _unpack(kv, "kv", 2, 2)
@@ -136,7 +138,7 @@ def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float
 def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                                      dropout_p: float = 0, softmax_scale: float | None = None, causal: bool = False,
                                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0,
-                                     alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                                     alibi_slopes: torch.Tensor | None = None, deterministic: bool = True,
                                      return_attn_probs: bool = False):
     """Drop-in for ``flash_attn.flash_attn_varlen_qkvpacked_func``: ``qkv`` (total, 3, H, D) with one
     ``cu_seqlens`` for queries and keys."""
@@ -149,7 +151,7 @@ def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlen
                                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                                     dropout_p: float = 0, softmax_scale: float | None = None, causal: bool = False,
                                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0,
-                                    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                                    alibi_slopes: torch.Tensor | None = None, deterministic: bool = True,
                                     return_attn_probs: bool = False):
     """Drop-in for ``flash_attn.flash_attn_varlen_kvpacked_func``: q (total_q, Hq, D), ``kv``
     (total_k, 2, Hkv, D)."""

@@ -39,12 +39,12 @@ _PROBLEMS = table("custom_ops.problems")  # the operators' arguments that descri
 
 
 def _problem(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p, cu_seqlens_q=None,
-             max_seqlen_q=0, max_seqlen_k=0, sinks=None) -> Problem:
+             max_seqlen_q=0, max_seqlen_k=0, sinks=None, deterministic=True) -> Problem:
     """The call's :class:`Problem`, kept per argument signature: a compiled model without CUDA graphs
     calls the operator itself every step, and building a Problem is a few microseconds of it."""
     packed = cu_seqlens_q is not None
     key = (q.shape, k.shape, v.shape[-1], sinks is None, q.dtype, causal, scale, window_left, window_right, softcap, alibi_slopes is None,
-           dropout_p, packed and (cu_seqlens_q.shape[0], max_seqlen_q, max_seqlen_k))
+           dropout_p, packed and (cu_seqlens_q.shape[0], max_seqlen_q, max_seqlen_k), deterministic)
     problem = _PROBLEMS.get(key)
     if problem is None:
         # The operators spell the window as FlashAttention 2 does: a negative side is unbounded.
@@ -55,7 +55,7 @@ def _problem(q, k, v, causal, scale, window_left, window_right, softcap, alibi_s
             problem = Problem.packed(q, k, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, causal, scale,
                                      **variants)
         else:
-            problem = Problem.of(q, k, causal, scale, **variants)
+            problem = Problem.of(q, k, causal, scale, **variants, deterministic=deterministic)
         remember(_PROBLEMS, key, problem)
     return problem
 
@@ -69,9 +69,10 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
                       window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
                       dropout_p: float = 0.0, seed: int = 0, cu_seqlens_q: Tensor | None = None,
                       cu_seqlens_k: Tensor | None = None, max_seqlen_q: int = 0,
-                      max_seqlen_k: int = 0, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      max_seqlen_k: int = 0, sinks: Tensor | None = None,
+                      deterministic: bool = True) -> tuple[Tensor, Tensor]:
     problem = _problem(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                       cu_seqlens_q, max_seqlen_q, max_seqlen_k, sinks)
+                       cu_seqlens_q, max_seqlen_q, max_seqlen_k, sinks, deterministic)
     o, lse = backend(use_kernels(q))[0](q, k, v, problem, alibi_slopes, seed, _packing(cu_seqlens_q, cu_seqlens_k),
                                         sinks)
     return in_layout(o, q), lse
@@ -79,7 +80,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: floa
 
 @attention_forward.register_fake
 def _(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-      seed=0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, sinks=None):
+      seed=0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, sinks=None, deterministic=True):
     o = output_like(q, v.shape[-1])
     if cu_seqlens_q is not None:  # packed: lse is (Hq, total_q)
         return o, q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
@@ -93,9 +94,10 @@ def attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, l
                        window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
                        dropout_p: float = 0.0, seed: int = 0, cu_seqlens_q: Tensor | None = None,
                        cu_seqlens_k: Tensor | None = None, max_seqlen_q: int = 0,
-                       max_seqlen_k: int = 0, sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                       max_seqlen_k: int = 0, sinks: Tensor | None = None,
+                       deterministic: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     problem = _problem(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                       cu_seqlens_q, max_seqlen_q, max_seqlen_k, sinks)
+                       cu_seqlens_q, max_seqlen_q, max_seqlen_k, sinks, deterministic)
     dq, dk, dv, d_sinks = backend(use_kernels(q))[1](do, q, k, v, o, lse, problem, dlse, alibi_slopes, seed,
                                                      _packing(cu_seqlens_q, cu_seqlens_k), sinks)
     d_sinks = q.new_empty(0) if d_sinks is None else d_sinks
@@ -104,12 +106,13 @@ def attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, l
 
 @attention_backward.register_fake
 def _(do, q, k, v, o, lse, dlse, causal, scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-      dropout_p=0.0, seed=0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, sinks=None):
+      dropout_p=0.0, seed=0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, sinks=None,
+      deterministic=True):
     return dense_like(q), dense_like(k), dense_like(v), q.new_empty(0) if sinks is None else torch.empty_like(sinks)
 
 
 _OPTIONS = ("window_left", "window_right", "softcap", "alibi_slopes", "dropout_p", "seed", "cu_seqlens_q",
-            "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "sinks")
+            "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "sinks", "deterministic")
 _TENSOR_OPTIONS = ("alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "sinks")
 
 
@@ -130,7 +133,7 @@ def _backward(ctx, do, dlse):
                                                                  **tensor_options, **ctx.options)
     grads = [dq, dk, dv, *(None,) * (2 + len(_OPTIONS))]
     if tensor_options["sinks"] is not None:
-        grads[-1] = d_sinks  # sinks is the operator's last input
+        grads[5 + _OPTIONS.index("sinks")] = d_sinks  # after q, k, v, causal, scale
     return tuple(grads)
 
 

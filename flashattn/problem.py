@@ -66,6 +66,9 @@ class Problem:
     # float8 (e4m3) q, k, v with per-(batch, K/V head) descale factors (flashattn.fp8): the forward
     # folds them into the score scale and the output, which is bfloat16
     descale: bool = False
+    # False: the backward may sum dQ with floating-point atomics in an order that varies between runs
+    # (flashattn.hopper.bwd, where it applies); True: every run gives the same bits
+    deterministic: bool = True
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -91,7 +94,7 @@ class Problem:
         # what selects the kernels' code, not their sizes: problems of one family share most kernels
         # (flashattn.autograd.compile_backward_ahead compiles a family's backward once)
         object.__setattr__(self, "family", (self.dtype, self.head_dim, self.head_dim_v, self.causal, self.layout,
-                                            *self._constexprs.values(), self.sinks, self.descale))
+                                            *self._constexprs.values(), self.sinks, self.descale, self.deterministic))
 
     def __hash__(self) -> int:
         return self._hash
@@ -99,7 +102,8 @@ class Problem:
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool = False, scale: float | None = None, *,
            window=None, softcap: float | None = 0.0, alibi: bool = False, dropout_p: float = 0.0,
-           head_dim_v: int = 0, sinks: bool = False, descale: bool = False) -> "Problem":
+           head_dim_v: int = 0, sinks: bool = False, descale: bool = False,
+           deterministic: bool = True) -> "Problem":
         """The description of attention of q (B, Hq, N, D) over k (B, Hkv, M, D); the caller validates.
 
         ``window = (left, right)`` takes ``None`` on a side for unbounded; ``softcap`` 0 or None is off;
@@ -109,7 +113,7 @@ class Problem:
         m = k.shape[2]
         return cls(batch, heads_q, k.shape[1], n, m, head_dim, q.dtype, bool(causal), _scale(scale, head_dim),
                    *_variants(n, m, causal, window, softcap, alibi, dropout_p), head_dim_v=int(head_dim_v),
-                   sinks=bool(sinks), descale=bool(descale))
+                   sinks=bool(sinks), descale=bool(descale), deterministic=bool(deterministic))
 
     @classmethod
     def packed(cls, q: torch.Tensor, k: torch.Tensor, n_seqs: int, max_seqlen_q: int, max_seqlen_k: int,

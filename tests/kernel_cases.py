@@ -40,10 +40,11 @@ def _references(q, k, v, do, causal, scale):
     return out
 
 
-def _check_against_reference(q, k, v, do, causal, scale, *, floor=1e-5):
+def _check_against_reference(q, k, v, do, causal, scale, *, floor=1e-5, deterministic=True):
     """Run forward and backward kernels, assert the error ratio for each output, return the errors."""
-    o, lse = attention_forward(q, k, v, Problem.of(q, k, causal, scale))
-    dq, dk, dv = attention_backward(do, q, k, v, o, lse, Problem.of(q, k, causal, scale))
+    problem = Problem.of(q, k, causal, scale, deterministic=deterministic)
+    o, lse = attention_forward(q, k, v, problem)
+    dq, dk, dv = attention_backward(do, q, k, v, o, lse, problem)
     assert o.shape == q.shape and o.dtype == q.dtype
     assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape

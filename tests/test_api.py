@@ -39,6 +39,10 @@ BAD_INPUTS = [
     ("scale a string", lambda: flashattn.attention(q0, k0, v0, scale="0.1"), TypeError, ["scale"]),
     ("scale a tensor", lambda: flashattn.attention(q0, k0, v0, scale=torch.tensor(0.1)), TypeError, ["scale"]),
     ("causal not bool", lambda: flashattn.attention(q0, k0, v0, causal=1), TypeError, ["causal", "bool"]),
+    ("deterministic not bool", lambda: flashattn.attention(q0, k0, v0, deterministic=0), TypeError,
+     ["deterministic", "bool"]),
+    ("flash: deterministic not bool", lambda: flashattn.flash_attn_func(q0, k0, v0, deterministic="no"), TypeError,
+     ["deterministic", "bool"]),
     ("return_lse not bool", lambda: flashattn.attention(q0, k0, v0, return_lse="yes"), TypeError, ["return_lse"]),
     ("complex dtype", lambda: flashattn.attention(*(x.to(torch.complex64) for x in (q0, k0, v0))), TypeError, ["floating"]),
     ("meta device", lambda: flashattn.attention(*(x.to("meta") for x in (q0, k0, v0))), ValueError, ["device"]),
@@ -73,6 +77,7 @@ ALIASES = [
     ("dropout_p", 0.0, False),
     ("window", (1, 2), (True, 2)),
     ("window", (0, None), (False, None)),
+    ("deterministic", False, 0),
 ]
 
 
@@ -289,6 +294,30 @@ def test_calls_without_gradient_skip_autograd_and_match(dtype, monkeypatch):
     for o, lse in ((o_ng, lse_ng), (o_inf, lse_inf), (o_plain, lse_plain)):
         assert o.grad_fn is None and not o.requires_grad
         assert torch.equal(o, o_train.detach()) and torch.equal(lse, lse_train.detach())
+
+
+def test_deterministic_reaches_the_problem_and_changes_no_bit_where_no_atomic_kernel_runs(monkeypatch):
+    """attention's and flash_attn_func's ``deterministic`` end up in the call's Problem (default True;
+    flash_attn's own default is False, this one's True), and where no atomic kernel runs (here: the
+    kernels on DEVICE, the Hopper dK/dV kernel not among them off sm_90) False gives the default's bits."""
+    from devices import DEVICE
+    from flashattn import autograd
+
+    seen = []
+    real = autograd.attend
+    monkeypatch.setattr(flashattn.api, "attend", lambda q, k, v, problem, *a: seen.append(problem) or real(q, k, v, problem, *a))
+    q, k, v = (x.to(DEVICE, torch.float16).requires_grad_() for x in qkv(n=40, m=56, d=16, h_q=4, h_kv=2))
+    do = torch.randn_like(q)
+    grads = {}
+    for deterministic in (True, False):
+        o = flashattn.attention(q, k, v, causal=True, deterministic=deterministic)
+        grads[deterministic] = torch.autograd.grad(o, (q, k, v), do)
+    assert [p.deterministic for p in seen] == [True, False]
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+    seen.clear()
+    for kw in ({}, {"deterministic": False}, {"deterministic": True}):
+        flashattn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw)
+    assert [p.deterministic for p in seen] == [True, False, True]
 
 
 def test_drop_in_window_alibi_and_generator_reach_the_kernels():

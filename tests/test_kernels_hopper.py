@@ -460,6 +460,87 @@ def test_hopper_backward_host_code_launches_one_cta_per_block(monkeypatch, which
         assert constexprs["STAGES"] == hopper.bwd.DQ_STAGES
 
 
+def test_hopper_dkdv_host_code_with_a_dq_accumulator(monkeypatch):
+    """hopper.bwd.dkdv with ``dq_accum`` (the nondeterministic backward), on the CPU with the launch and
+    descriptors stubbed: ATOMIC_DQ on, the float32 accumulator described in [64, D / 2] tiles (one half
+    of its columns per warpgroup) where the switch off passes dK's own descriptor; D = 64 and a 16-bit
+    accumulator are refused."""
+    from flashattn import hopper
+
+    launches = []
+    monkeypatch.setattr(hopper.bwd, "_get_kernel", lambda: "kernel")
+    monkeypatch.setattr(hopper.fwd, "descriptor", lambda t, rows, cols=None: ("desc", t.data_ptr(), rows, cols))
+    monkeypatch.setattr(hopper.fwd, "launch", lambda *a, **k: launches.append(a))
+    b, hq, hkv, n, m, d = 2, 4, 2, 300, 200, 128
+    q, do = (torch.randn(b, hq, n, d, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, hkv, m, d, dtype=torch.bfloat16) for _ in range(2))
+    lse2, delta = (torch.zeros(b, hq, n) for _ in range(2))
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    acc = torch.zeros(b, hq, n, d)
+    hopper.bwd.dkdv(q, k, v, do, lse2, delta, dk, dv, True, 0.125)
+    hopper.bwd.dkdv(q, k, v, do, lse2, delta, dk, dv, True, 0.125, dq_accum=acc)
+    (_, _, off, off_c), (_, _, on, on_c) = launches
+    assert not off_c["ATOMIC_DQ"] and on_c["ATOMIC_DQ"]
+    assert off[8] == off[4] == ("desc", dk.data_ptr(), hopper.bwd.HALF_N, None)  # never read when off
+    assert on[8] == ("desc", acc.data_ptr(), hopper.bwd.BLOCK_M, d // 2)
+    assert off[:8] == on[:8] and off[9:] == on[9:]
+    with pytest.raises(AssertionError):
+        hopper.bwd.dkdv(q, k, v, do, lse2, delta, dk, dv, True, 0.125, dq_accum=acc.bfloat16())
+    q64, do64 = q[..., :64], do[..., :64]
+    with pytest.raises(AssertionError):
+        hopper.bwd.dkdv(q64, k[..., :64], v[..., :64], do64, lse2, delta, dk[..., :64], dv[..., :64], True, 0.125,
+                        dq_accum=acc[..., :64])
+
+
+def test_the_atomic_dq_backward_takes_dq_from_the_accumulator_and_runs_no_dq_kernel(monkeypatch):
+    """launch_backward where backward.atomic_dq says so (forced here; the Hopper kernel stubbed by one that
+    fills the accumulator, dK and dV): no dQ kernel and no second stream, dQ = scale x the accumulator
+    in q's dtype, no recipe kept (such a call is never replayed); the preprocess kernel (interpreter)
+    still writes delta and lse2 first. And atomic_dq itself: off for a deterministic problem and off by
+    default, on under tuning(atomic_dq=True) on a (stubbed) Hopper GPU."""
+    from flashattn import backward, hopper, launch as launch_mod
+    from kernel_cases import _on_hopper
+
+    q, k, v, do = _inputs(1, 4, 2, 70, 90, 128, torch.float16, seed=3)
+    problem = Problem.of(q, k, True, deterministic=False)
+    fills = torch.randn(1, 4, 70, 128)
+    calls, launched = [], []
+
+    def fake_dkdv(q, k, v, do, lse2, delta, dk, dv, causal, scale, record=None, dq_accum=None):
+        calls.append((lse2.clone(), delta.clone(), dq_accum.shape, dq_accum.dtype, bool((dq_accum == 0).all())))
+        dq_accum.copy_(fills)
+        dk.fill_(1.0)
+        dv.fill_(2.0)
+
+    monkeypatch.setattr(backward, "atomic_dq", lambda p, device: not p.deterministic)
+    monkeypatch.setattr(hopper.bwd, "dkdv", fake_dkdv)
+    real_launch = backward.launch
+    monkeypatch.setattr(backward, "launch", lambda kernel, *a, **kw: launched.append(kernel) or real_launch(kernel, *a, **kw))
+    monkeypatch.setattr(backward, "_second_stream", lambda q, p: pytest.fail("no second stream for the atomic dQ"))
+    o, lse = attention_forward(q, k, v, problem)
+    recipes = len(launch_mod._RECIPES)
+    dq, dk, dv = attention_backward(do, q, k, v, o, lse, problem)
+    [(lse2, delta, shape, dtype, zeroed)] = calls
+    assert shape == q.shape and dtype == torch.float32 and zeroed
+    assert launched == [backward._bwd_preprocess_kernel]
+    assert torch.isfinite(lse2).all() and delta.abs().sum() > 0
+    assert torch.equal(dq, (fills * problem.scale).to(q.dtype)) and dq.dtype == q.dtype
+    assert (dk == 1).all() and (dv == 2).all()
+    assert len(launch_mod._RECIPES) == recipes
+    monkeypatch.undo()
+    _on_hopper(monkeypatch)
+    monkeypatch.setattr(hopper.bwd, "atomic_available", lambda: True)
+    big = Problem(2, 16, 16, 4096, 4096, 128, torch.bfloat16, False, 128 ** -0.5, deterministic=False)
+    cuda = torch.device("cuda", 0)
+    assert _config.gluon_kernel("bwd_dkdv", big, cuda)
+    assert not backward.atomic_dq(big, cuda)  # off by default
+    with _config.tuning(atomic_dq=True):
+        assert backward.atomic_dq(big, cuda)
+        assert not backward.atomic_dq(Problem(2, 16, 16, 4096, 4096, 128, torch.bfloat16, False, 128 ** -0.5), cuda)
+        assert not backward.atomic_dq(Problem(2, 16, 16, 4096, 4096, 64, torch.bfloat16, False, 0.125,
+                                              deterministic=False), cuda)
+
+
 # (B, Hq, Hkv, N, M, causal, layout, logit scale) of the Gluon kernels' float64 checks
 _GLUON_CASES = [
     (2, 4, 4, 1000, 1000, False, "bhnd", 1.0),
@@ -517,6 +598,81 @@ def test_gluon_dq_kernel_matches_float64(monkeypatch, dtype, d, b, h_q, h_kv, n,
         pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
     _, (o, lse, dq, dk, dv) = _check_against_reference(q, k, v, do, causal, d ** -0.5)
     _empty_rows_are_zero(causal, n, m, o, lse, dq)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype, b, h_q, h_kv, n, m, causal, layout, std", [
+    *((torch.bfloat16, *case) for case in _GLUON_CASES),
+    (torch.bfloat16, 1, 2, 2, 64, 200, True, "bhnd", 1.0),  # one query block, ragged key blocks
+    (torch.bfloat16, 1, 2, 2, 200, 64, True, "bhnd", 1.0),  # one key block, ragged query blocks
+    (torch.float16, *_GLUON_CASES[1]),
+    (torch.float16, *_GLUON_CASES[2]),
+])
+def test_gluon_atomic_dq_matches_float64_and_leaves_dk_dv_bitwise(monkeypatch, dtype, b, h_q, h_kv, n, m, causal,
+                                                                  layout, std):
+    """deterministic=False under tuning(atomic_dq=True) at D = 128 with the Gluon dK/dV kernel dispatched
+    at every size: dQ summed by TMA reductions inside it (no dQ kernel) against float64, rows that see no
+    key at exactly 0; dK and dV bitwise those of the deterministic backward (the same products in the
+    same order)."""
+    from flashattn import backward
+
+    monkeypatch.setattr(_config, "GLUON_MIN_WORK", collections.defaultdict(lambda: (0, 0)))
+    monkeypatch.setattr(_config, "GLUON_HEAD_DIMS", {"fwd": (128,), "bwd_dkdv": (128,), "bwd_dq": (128,)})
+    monkeypatch.setattr(_config, "_GLUON", {})
+    q, k, v, do = _inputs(b, h_q, h_kv, n, m, 128, dtype, layout=layout, std=std, seed=5 * n + m)
+    if not _gluon_dispatched(q, k, causal, ("bwd_dkdv",))["bwd_dkdv"]:
+        pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
+    problem = Problem.of(q, k, causal, deterministic=False)
+    assert not backward.atomic_dq(problem, q.device)  # off unless a tuning turns it on
+    with _config.tuning(atomic_dq=True):
+        assert backward.atomic_dq(problem, q.device)
+        _, (o, lse, dq, dk, dv) = _check_against_reference(q, k, v, do, causal, 128 ** -0.5, deterministic=False)
+    _empty_rows_are_zero(causal, n, m, o, lse, dq)
+    exact = attention_backward(do, q, k, v, o, lse, Problem.of(q, k, causal))
+    assert torch.equal(dk, exact[1]) and torch.equal(dv, exact[2])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_public_api_backward_nondeterministic_on_request_only(causal):
+    """At the real bar (D = 128) under tuning(atomic_dq=True), attention(..., deterministic=False) and
+    flash_attn_func's deterministic=False run the atomic dQ (float64 check through autograd, the
+    backward on autograd's thread); the default stays deterministic there: two default backward passes
+    are bitwise equal."""
+    import flashattn
+    from flashattn import backward
+    from flashattn.compat import flash_attn_func
+
+    n = 2897
+    q, k, v, do = _inputs(2, 8, 2, n, n, 128, torch.bfloat16, seed=29)
+    if not _gluon_dispatched(q, k, causal, ("bwd_dkdv",))["bwd_dkdv"]:
+        pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
+    with _config.tuning(atomic_dq=True):
+        assert backward.atomic_dq(Problem.of(q, k, causal, deterministic=False), q.device)
+        assert not backward.atomic_dq(Problem.of(q, k, causal), q.device)
+    ref, lowp = [], []
+    for dtype, out in ((torch.float64, ref), (q.dtype, lowp)):
+        x = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        o, _ = naive_attention(*x, causal=causal, scale=128 ** -0.5)
+        out.extend(torch.autograd.grad(o, x, do.to(dtype)))
+
+    def grads(call, *args, **kw):
+        x = [t.detach().requires_grad_() for t in args]
+        return torch.autograd.grad(call(*x, **kw), x, do if call is flashattn.attention else do.transpose(1, 2))
+
+    with _config.tuning(atomic_dq=True):
+        nondeterministic = (grads(flashattn.attention, q, k, v, causal=causal, deterministic=False),
+                            [g.transpose(1, 2) for g in grads(flash_attn_func, *(t.transpose(1, 2) for t in (q, k, v)),
+                                                              causal=causal, deterministic=False)])
+        first = grads(flashattn.attention, q, k, v, causal=causal)
+        second = grads(flashattn.attention, q, k, v, causal=causal)
+    for got in nondeterministic:
+        for name, g, r, lp in zip(("dq", "dk", "dv"), got, ref, lowp):
+            assert torch.isfinite(g).all()
+            assert_close_ratio(name, g, r, lp, floor=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 @gpu

@@ -92,10 +92,39 @@ def test_operator_problems_are_kept_per_signature_and_never_mixed():
                 (q[:, :, :5], *base[1:]), (q, k[:, :, :7], v[:, :, :7], *base[3:]), (q.float(), *base[1:]),
                 (q, k, v[..., :8], *base[3:])]  # v's head dim of its own: another problem
     got = [custom_ops._problem(*args) for args in variants]
-    assert len(set(got)) == len(variants)
-    for args, problem in zip(variants, got):
+    got.append(custom_ops._problem(*base, deterministic=False))  # a permission of its own, not the default's
+    variants.append(None)
+    assert len(set(got)) == len(variants) and not got[-1].deterministic and got[0].deterministic
+    for args, problem in zip(variants[:-1], got):
         custom_ops._PROBLEMS.clear()
         assert custom_ops._problem(*args) == problem
+
+
+def test_compiled_call_carries_deterministic_to_the_backward_operator(monkeypatch):
+    """attention(..., deterministic=False) under torch.compile (fullgraph) reaches the backward operator
+    as deterministic=False, and the default as True: the saved options carry it; the gradients equal
+    the eager ones (the reference path of float64 inputs)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    torch._dynamo.reset()
+    seen = []
+    real = custom_ops._problem
+
+    def spy(*args, **kwargs):
+        problem = real(*args, **kwargs)
+        seen.append(problem.deterministic)
+        return problem
+
+    monkeypatch.setattr(custom_ops, "_problem", spy)
+    q, k, v = (x.requires_grad_() for x in _qkv(1, 2, 1, 7, 9, 16, torch.float64, seed=3))
+    for deterministic in (False, True):
+        seen.clear()
+        step = torch.compile(lambda q, k, v: flashattn.attention(q, k, v, causal=True, deterministic=deterministic).sum(),
+                             fullgraph=True, backend="aot_eager")
+        got = torch.autograd.grad(step(q, k, v), (q, k, v))
+        eager = torch.autograd.grad(flashattn.attention(q, k, v, causal=True).sum(), (q, k, v))
+        assert seen and set(seen) == {deterministic}  # the forward and the backward operator alike
+        for g, e in zip(got, eager):
+            torch.testing.assert_close(g, e, rtol=0, atol=1e-12)
 
 
 def test_compiled_graph_takes_no_float_input_without_dropout():

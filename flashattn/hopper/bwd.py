@@ -12,6 +12,8 @@ never imports Gluon: the kernel module is imported at the first launch, where :f
 
 from __future__ import annotations
 
+import torch
+
 from flashattn.hopper import fwd
 
 BLOCK_N = 128          # key rows per CTA (two consumer warpgroups of 64 rows)
@@ -20,6 +22,9 @@ BLOCK_M = 64           # query rows per step
 STAGES = 2             # Q/dO ring depth
 OVERLAP = True         # dV's product in flight while dS^T is computed
 HEAD_DIMS = (64, 128)  # built for both; dispatched at 128 (flashattn._config.GLUON_HEAD_DIMS)
+# dQ summed with atomics (deterministic=False): each warpgroup takes half of dQ's columns, a 64-column
+# slice of K's shared-memory tile, which is one whole swizzle row only at D = 128
+ATOMIC_DQ_HEAD_DIMS = (128,)
 # the register split and the launch (maxnreg) are flashattn.hopper.fwd's: 24 for the producer, 240 per consumer
 
 
@@ -38,13 +43,26 @@ def available() -> bool:
     return _get_kernel.available()
 
 
+def atomic_available() -> bool:
+    """Whether the dK/dV kernel's ``ATOMIC_DQ`` mode can be built here: it adds dQ with a TMA reduction
+    that only Gluon's builder creates (private to Triton, present in 3.6)."""
+    if not available():
+        return False
+    from flashattn.hopper import bwd_kernels
+
+    return bwd_kernels.TMA_REDUCE
+
+
 def dkdv(q, k, v, do, lse2, delta, dk, dv, causal: bool, scale: float, stages: int | None = None,
-         overlap: bool | None = None, record=None) -> None:
+         overlap: bool | None = None, record=None, dq_accum=None) -> None:
     """Fill ``dk`` and ``dv`` (laid out like k and v, head dim contiguous) for plain attention.
 
     q, do (B, Hq, N, D); k, v (B, Hkv, M, D), float16 or bfloat16, head dim contiguous and 16-byte
     aligned strides (TMA); ``lse2`` and ``delta`` float32 contiguous (B, Hq, N) from the backward's
-    preprocess kernel; ``scale`` > 0 is the softmax scale. A ``record`` keeps the launch for a recipe."""
+    preprocess kernel; ``scale`` > 0 is the softmax scale. A ``record`` keeps the launch for a recipe.
+    With ``dq_accum``, a zeroed float32 tensor shaped like q (head dim contiguous; D = 128 only,
+    :data:`ATOMIC_DQ_HEAD_DIMS`), the kernel also adds dS K into it with TMA reductions (the
+    nondeterministic backward): dQ is ``scale`` times it."""
     from flashattn.tensors import ceil_div
     from flashattn.constants import LOG2E
 
@@ -52,15 +70,21 @@ def dkdv(q, k, v, do, lse2, delta, dk, dv, causal: bool, scale: float, stages: i
     B, Hq, N, D = q.shape
     _, Hkv, M, _ = k.shape
     assert D in HEAD_DIMS and scale > 0
+    atomic = dq_accum is not None
+    assert not atomic or (D in ATOMIC_DQ_HEAD_DIMS and dq_accum.dtype == torch.float32 and dq_accum.shape[-1] == D
+                          and dq_accum.stride(-1) == 1)
     describe = fwd.descriptor
+    dk_desc = describe(dk, HALF_N)
     fwd.launch(kernel, ceil_div(M, BLOCK_N) * B * Hkv,
                (describe(q, BLOCK_M), describe(k, HALF_N), describe(v, HALF_N), describe(do, BLOCK_M),
-                describe(dk, HALF_N), describe(dv, HALF_N), lse2, delta,
+                dk_desc, describe(dv, HALF_N), lse2, delta,
+                describe(dq_accum, BLOCK_M, D // 2) if atomic else dk_desc,  # (never read without ATOMIC_DQ)
                 Hq, Hkv, Hq // Hkv, N, M, float(scale) * LOG2E, float(scale)),
                dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages or STAGES, CAUSAL=bool(causal),
                     OVERLAP=OVERLAP if overlap is None else bool(overlap),
-                    PRODUCER_REGS=fwd.PRODUCER_REGS, CONSUMER_REGS=fwd.CONSUMER_REGS),
+                    PRODUCER_REGS=fwd.PRODUCER_REGS, CONSUMER_REGS=fwd.CONSUMER_REGS, ATOMIC_DQ=atomic),
                record=record)
+
 
 
 # dQ in Gluon: one CTA per 128 query rows of one (batch, query head), built like the forward (two

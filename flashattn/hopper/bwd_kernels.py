@@ -25,6 +25,10 @@ dK/dV design (one CTA per 128-row key block of one (batch, K/V head)):
   ragged last block take the mask, the others none; blocks that see no key of the CTA are never
   loaded.
 
+With ``ATOMIC_DQ`` (the nondeterministic backward, not dispatched by default) the dK/dV kernel also
+adds each step's dQ share into a float32 accumulator with TMA reductions (``_dkdv_dq_products``), and
+the dQ kernel does not run; dK and dV keep their bits.
+
 dQ: one CTA per 128 query rows of one (batch, query head), laid out like the forward of
 :mod:`flashattn.hopper.fwd_kernels` (two consumer warpgroups of 64 rows, a TMA producer warp, a K/V
 ring) and sharing its helpers (:mod:`flashattn.hopper.common`).
@@ -38,6 +42,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from flashattn.hopper.common import load_kv_ring, masked_scores, tile_coords
+
+try:  # private to Triton (Gluon's builtin decorator, its builder's TMA reduction): only ATOMIC_DQ needs them
+    from triton._C.libtriton import gluon_ir, ir
+    from triton.experimental.gluon.language._core import builtin
+
+    TMA_REDUCE = hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce")
+except ImportError:
+    TMA_REDUCE = False
 
 
 # --8<-- [start:gluon-dkdv-producer]
@@ -72,10 +84,10 @@ def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_s
 # --8<-- [start:gluon-dkdv-step]
 @gluon.jit
 def _dkdv_step(t, m0, k_c, v_c, q_smem, do_smem, full, empty, dk, dv, lse2_ptr, delta_ptr, row_base,
-               key0, N, M, qk_scale,
+               key0, N, M, qk_scale, k_smem, ds_smem, ds_full, ds_empty, dq_desc, dq_smem, dq_at,
                MASK: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, BLOCK_M: gl.constexpr,
                STAGES: gl.constexpr, OVERLAP: gl.constexpr, st_layout: gl.constexpr, a_layout: gl.constexpr,
-               row_layout: gl.constexpr):
+               row_layout: gl.constexpr, HEAD_DIM: gl.constexpr, ATOMIC_DQ: gl.constexpr, CONSUMER: gl.constexpr):
     # Query block [m0, m0 + BLOCK_M) of one head against this warpgroup's 64 keys, transposed:
     # rows are keys, columns are queries.
     s = t % STAGES
@@ -113,21 +125,86 @@ def _dkdv_step(t, m0, k_c, v_c, q_smem, do_smem, full, empty, dk, dv, lse2_ptr, 
     else:
         dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
     dst = pt * (dpt - gl.expand_dims(delta, 0))  # dS^T = P^T (dP^T - delta), delta per query
-    dst_op = gl.convert_layout(dst.to(q_t.dtype), a_layout)
-    if not OVERLAP:
-        dv_tok = warpgroup_mma(pt_op, do_t, dv, is_async=True)
-    dk_tok = warpgroup_mma(dst_op, q_t, dk, is_async=True)
-    dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, pt_op, dst_op))
-    mbarrier.arrive(empty.index(s))
+    if ATOMIC_DQ:
+        dk, dv = _dkdv_dq_products(dst, pt_op, dv_tok, do_t, q_t, dk, dv, k_smem, ds_smem, ds_full, ds_empty,
+                                   dq_desc, dq_smem, dq_at[0], dq_at[1], m0, t, HALF, BLOCK_M, HEAD_DIM, OVERLAP,
+                                   st_layout, CONSUMER)
+        mbarrier.arrive(empty.index(s))
+    else:
+        dst_op = gl.convert_layout(dst.to(q_t.dtype), a_layout)
+        if not OVERLAP:
+            dv_tok = warpgroup_mma(pt_op, do_t, dv, is_async=True)
+        dk_tok = warpgroup_mma(dst_op, q_t, dk, is_async=True)
+        dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, pt_op, dst_op))
+        mbarrier.arrive(empty.index(s))
     return dk, dv
 # --8<-- [end:gluon-dkdv-step]
+
+
+# --8<-- [start:gluon-atomic-dq]
+# The nondeterministic backward (ATOMIC_DQ, flash_attn's deterministic=False): the dK/dV kernel also
+# adds this step's share of dQ, dS K summed over the CTA's 128 keys, into a float32 (B, Hq, N, D)
+# accumulator, so the dQ kernel and its two recomputed products are skipped. The two warpgroups write
+# their dS^T halves to shared memory (dK's operand there too); once both are in, each warpgroup takes
+# half of dQ's columns, dQ[:, c] = dS_0 K_0[:, c] + dS_1 K_1[:, c], stages it in shared memory and
+# has the TMA unit add it to global memory (a bulk reduction; per-element atomics from the registers
+# were slower still). The order in which CTAs' additions land varies from run to run, and so do dQ's
+# last bits. It is not dispatched by default: it measured slower than the deterministic pair
+# (docs/kernels/tuning-log.md#a-nondeterministic-backward-in-gluon-issue-46).
+@gluon.jit
+def _dkdv_dq_products(dst, pt_op, dv_tok, do_t, q_t, dk, dv, k_smem, ds_smem, ds_full, ds_empty, dq_desc, dq_smem,
+                      b, hq, m0, t, HALF: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      OVERLAP: gl.constexpr, dq_layout: gl.constexpr, CONSUMER: gl.constexpr):
+    COLS: gl.constexpr = HEAD_DIM // 2
+    # this warpgroup's dS^T half, once the last step's dQ products (both warpgroups') have read it
+    mbarrier.wait(ds_empty, (t & 1) ^ 1)
+    ds_c = ds_smem.index(CONSUMER)
+    ds_c.store(dst.to(q_t.dtype))
+    fence_async_shared()
+    gl.thread_barrier()  # every thread's part is written before the arrive that announces it
+    mbarrier.arrive(ds_full)
+    if not OVERLAP:
+        dv_tok = warpgroup_mma(pt_op, do_t, dv, is_async=True)
+    dk_tok = warpgroup_mma(ds_c, q_t, dk, is_async=True)
+    mbarrier.wait(ds_full, t & 1)  # both halves of dS^T are in
+    zeros = gl.zeros([BLOCK_M, COLS], gl.float32, dq_layout)
+    dq = warpgroup_mma(ds_smem.index(0).permute((1, 0)), k_smem.index(0).slice(CONSUMER * COLS, COLS, dim=1),
+                       zeros, use_acc=False, is_async=True)
+    dq_tok = warpgroup_mma(ds_smem.index(1).permute((1, 0)), k_smem.index(1).slice(CONSUMER * COLS, COLS, dim=1),
+                           dq, is_async=True)
+    dv, dk, dq, pt_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, pt_op))
+    mbarrier.arrive(ds_empty)
+    # two staging buffers per warpgroup: the reduction issued two steps ago has read this one
+    buf = dq_smem.index(2 * CONSUMER + (t & 1))
+    tma.store_wait(1)
+    buf.store(dq)
+    fence_async_shared()
+    _tma_reduce_add(dq_desc, [b, hq, m0, CONSUMER * COLS], buf.reshape([1, 1, BLOCK_M, COLS]))
+    return dk, dv
+
+
+if TMA_REDUCE:
+    @builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        # global[coord ...] += src (shared memory) through the TMA unit: cp.reduce.async.bulk.tensor's
+        # add, which Gluon's builder of Triton 3.6 creates but its language does not expose; completes
+        # like a TMA store (tma.store_wait)
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+else:
+    @gluon.jit
+    def _tma_reduce_add(tensor_desc, coord, src):
+        gl.static_assert(False, "this Triton's Gluon builds no TMA reduction (flashattn.hopper.bwd.atomic_available)")
+# --8<-- [end:gluon-atomic-dq]
 
 
 @gluon.jit
 def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, full, empty, dk_desc, dv_desc, lse2_ptr, delta_ptr,
                    b, hkv, n0, first_block, mid_block, full_blocks, n_blocks, GROUP, HQ, N, M, qk_scale, scale,
+                   ds_smem, ds_full, ds_empty, dq_desc, dq_smem,
                    CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, BLOCK_M: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr):
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr, ATOMIC_DQ: gl.constexpr):
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -145,20 +222,27 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, full, empty, dk_desc
     t = 0
     for g in range(GROUP):
         row_base = (b * HQ + hkv * GROUP + g).to(gl.int64) * N  # lse2 and delta are (B, Hq, N)
+        dq_at = (b, hkv * GROUP + g)  # with ATOMIC_DQ, where this head's dQ rows are added
         for j in range(first_block, mid_block):
             dk, dv = _dkdv_step(t, j * BLOCK_M, k_c, v_c, q_smem, do_smem, full, empty, dk, dv, lse2_ptr,
-                                delta_ptr, row_base, key0, N, M, qk_scale, True, CAUSAL, HALF, BLOCK_M,
-                                STAGES, OVERLAP, st_layout, a_layout, row_layout)
+                                delta_ptr, row_base, key0, N, M, qk_scale, k_smem, ds_smem, ds_full, ds_empty,
+                                dq_desc, dq_smem, dq_at, True, CAUSAL, HALF, BLOCK_M,
+                                STAGES, OVERLAP, st_layout, a_layout, row_layout, HEAD_DIM,
+                                ATOMIC_DQ, CONSUMER)
             t += 1
         for j in range(mid_block, full_blocks):
             dk, dv = _dkdv_step(t, j * BLOCK_M, k_c, v_c, q_smem, do_smem, full, empty, dk, dv, lse2_ptr,
-                                delta_ptr, row_base, key0, N, M, qk_scale, False, CAUSAL, HALF, BLOCK_M,
-                                STAGES, OVERLAP, st_layout, a_layout, row_layout)
+                                delta_ptr, row_base, key0, N, M, qk_scale, k_smem, ds_smem, ds_full, ds_empty,
+                                dq_desc, dq_smem, dq_at, False, CAUSAL, HALF, BLOCK_M,
+                                STAGES, OVERLAP, st_layout, a_layout, row_layout, HEAD_DIM,
+                                ATOMIC_DQ, CONSUMER)
             t += 1
         for j in range(gl.maximum(mid_block, full_blocks), first_block + n_blocks):
             dk, dv = _dkdv_step(t, j * BLOCK_M, k_c, v_c, q_smem, do_smem, full, empty, dk, dv, lse2_ptr,
-                                delta_ptr, row_base, key0, N, M, qk_scale, True, CAUSAL, HALF, BLOCK_M,
-                                STAGES, OVERLAP, st_layout, a_layout, row_layout)
+                                delta_ptr, row_base, key0, N, M, qk_scale, k_smem, ds_smem, ds_full, ds_empty,
+                                dq_desc, dq_smem, dq_at, True, CAUSAL, HALF, BLOCK_M,
+                                STAGES, OVERLAP, st_layout, a_layout, row_layout, HEAD_DIM,
+                                ATOMIC_DQ, CONSUMER)
             t += 1
     # dK = scale dS^T Q (the natural scale: the scores' log2(e) lives only in the exponent).
     # K and V of this warpgroup are dead (its last products have completed): stage the results
@@ -172,10 +256,11 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, full, empty, dk_desc
 
 
 @gluon.jit
-def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr,
+def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, dq_desc,
                  HQ, HKV, GROUP, N, M, qk_scale, scale,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 OVERLAP: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                 OVERLAP: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                 ATOMIC_DQ: gl.constexpr = False):
     HALF: gl.constexpr = 64
     BLOCK_N: gl.constexpr = 2 * HALF
     dtype: gl.constexpr = q_desc.dtype
@@ -216,16 +301,35 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, de
     for s in gl.static_range(STAGES):
         mbarrier.init(full.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # one arrive from each consumer
+    if ATOMIC_DQ:
+        # both warpgroups' dS^T halves, [keys, queries]; "full" once both are written, "empty" once
+        # both warpgroups' dQ products have read them
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_M], ds_layout)
+        # dQ's staging buffers for the TMA reductions: two per warpgroup, [BLOCK_M, D / 2] float32
+        dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM // 2], gl.float32)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M, HEAD_DIM // 2], dq_layout)
+        ds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(ds_full, count=2)
+        mbarrier.init(ds_empty, count=2)
+    else:  # never read
+        ds_smem = k_smem
+        dq_smem = k_smem
+        ds_full = kv_bar
+        ds_empty = kv_bar
     fence_async_shared()
 
     # --8<-- [start:gluon-dkdv-partitions]
     gl.warp_specialize([
         (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, full, empty, dk_desc, dv_desc, lse2_ptr,
                           delta_ptr, b, hkv, n0, first_block, mid_block, full_blocks, n_blocks, GROUP, HQ, N, M,
-                          qk_scale, scale, 0, CAUSAL, HALF, BLOCK_M, HEAD_DIM, STAGES, OVERLAP)),
+                          qk_scale, scale, ds_smem, ds_full, ds_empty, dq_desc, dq_smem,
+                          0, CAUSAL, HALF, BLOCK_M, HEAD_DIM, STAGES, OVERLAP, ATOMIC_DQ)),
         (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, full, empty, dk_desc, dv_desc, lse2_ptr,
                           delta_ptr, b, hkv, n0, first_block, mid_block, full_blocks, n_blocks, GROUP, HQ, N, M,
-                          qk_scale, scale, 1, CAUSAL, HALF, BLOCK_M, HEAD_DIM, STAGES, OVERLAP)),
+                          qk_scale, scale, ds_smem, ds_full, ds_empty, dq_desc, dq_smem,
+                          1, CAUSAL, HALF, BLOCK_M, HEAD_DIM, STAGES, OVERLAP, ATOMIC_DQ)),
         (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, full, empty,
                           b, hkv, n0, first_block, n_blocks, GROUP, HALF, BLOCK_M, HEAD_DIM, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -216,7 +216,8 @@ def _shared_layout(rows: int, cols: int, dtype):
     import torch
     import triton.experimental.gluon.language as gl
 
-    gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}[dtype]
+    gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv,
+           torch.float32: gl.float32}[dtype]
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], gdt)
 
 
