@@ -501,7 +501,7 @@ def backward_key(do, q, k, v, o, lse, problem: Problem, dlse, alibi_slopes, side
     the stream switches of dQ's second stream ``side`` (large problems only) included."""
     if problem.varlen or type(q) is not torch.Tensor:  # a subclass: the full path
         return None
-    if atomic_dq(problem, q.device):  # allocates and scales dQ outside kernels
+    if not problem.deterministic and atomic_dq(problem, q.device):  # allocates and scales dQ outside kernels
         return None
     return (problem, q.device, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(), lse.stride(),
             dlse is not None and dlse.stride(), alibi_slopes is not None and alibi_slopes.dim(),
@@ -535,7 +535,7 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
                                 alibi_slopes, seed, packing, sinks)
         return (*(g.to(q.dtype) for g in grads[:3]), *grads[3:])
     p = problem
-    atomic = atomic_dq(p, q.device)
+    atomic = not p.deterministic and atomic_dq(p, q.device)  # (q.device only where it may apply)
     side = None if atomic else _second_stream(q, p)
     key = backward_key(do, q, k, v, o, lse, p, dlse, alibi_slopes, side)
     inputs, free = (do, q, k, v, o, lse, dlse, alibi_slopes, sinks), seed_halves(p, seed)
