@@ -392,6 +392,27 @@ def test_gpu_autotuned_path(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+def test_gluon_rule_takes_the_bars_the_gpu_tests_patch_in(monkeypatch):
+    """The Hopper GPU tests open the rule at every size by replacing GLUON_MIN_WORK with a defaultdict of
+    zero bars (and GLUON_HEAD_DIMS with their own lists): the rule must read the bars by indexing, so a
+    kernel and head dim the dict never listed still finds its zero bar, and a head dim outside the
+    lists still answers False without looking a bar up. (The bars were read with dict.get, which a
+    defaultdict answers with None, from the float8 commit on: every such GPU test failed.)"""
+    import collections
+
+    _on_hopper(monkeypatch)
+    monkeypatch.setattr(_config, "GLUON_MIN_WORK", collections.defaultdict(lambda: (0, 0)))
+    monkeypatch.setattr(_config, "GLUON_HEAD_DIMS", {"fwd": (128, 256), "bwd_dkdv": (64, 128), "bwd_dq": ()})
+    gpu0 = torch.device("cuda", 0)
+    tiny = dict(b=1, h_q=2, h_kv=2, n=64, m=200)
+    assert _config.gluon_kernel("bwd_dkdv", _problem(d=64, **tiny), gpu0)
+    assert _config.gluon_kernel("fwd", _problem(d=256, **tiny), gpu0)
+    assert not _config.gluon_kernel("bwd_dq", _problem(d=128, **tiny), gpu0)
+    assert not _config.gluon_kernel("fwd", _problem(d=64, **tiny), gpu0)
+    monkeypatch.setattr(_config, "GLUON_MIN_WORK", {})  # no bar at all: only head dims outside the lists answer
+    assert not _config.gluon_kernel("bwd_dq", _problem(d=96, **tiny), gpu0)
+
+
 def test_gluon_kernels_run_only_where_the_rule_says(monkeypatch):
     """The dispatch rule: plain attention on sm_90 at a head dim the Gluon kernel is built for, with
     at least the kernel's GLUON_MIN_WORK for the mask; never for a variant, packed sequences, a CPU
