@@ -100,8 +100,12 @@ def early_replay(enabled: bool):
 def _replayable(q, problem: Problem, use_kernels: bool) -> bool:
     """Whether a call may go straight to the recipe its first calls left (flashattn.launch.replay): the
     dense kernels run it, on q's device, which is the current one (no device guard needed)."""
-    return (use_kernels and problem.dense_kernels and _EARLY_REPLAY[0] and q.is_cuda
-            and q.get_device() == _config.current_device())
+    return problem.dense_kernels and _early(q, use_kernels)
+
+
+def _early(q, use_kernels: bool) -> bool:
+    """Whether the kernels run this call on q's device and it is the current one, with early replay on."""
+    return use_kernels and _EARLY_REPLAY[0] and q.is_cuda and q.get_device() == _config.current_device()
 
 
 def launchers():
@@ -174,10 +178,13 @@ def wait_for_compile_ahead(problem: Problem, q) -> None:
 def _split_kv_forward(decode_kernels, q, k, v, problem: Problem):
     """A few queries against many keys (:attr:`Problem.split_kv`) by the split-KV decoding kernels: q,
     k, v seen as the decoding layout (B, N, H, D), a transpose and no copy, and every sequence holding
-    all M keys. The output keeps q's layout (:func:`dense_like`); lse is (B, Hq, N) float32."""
+    all M keys. The output keeps q's layout (:func:`dense_like`); lse is (B, Hq, N) float32. The launches
+    are kept under a key of the tensors as given (:func:`flashattn.decode_kernels.split_kv_key`), so a
+    repeated call replays them before any transpose (:meth:`AttentionFunction.run_forward`)."""
     o = dense_like(q)  # split_kv: D_v = D
     _, lse = decode_kernels.launch_decode(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), problem.m, None,
-                                          None, None, problem, problem.m, out=o.transpose(1, 2))
+                                          None, None, problem, problem.m, out=o.transpose(1, 2),
+                                          key=decode_kernels.split_kv_key(q, k, v, problem))
     return o, lse
 
 
@@ -342,6 +349,11 @@ class AttentionFunction(torch.autograd.Function):
         if _replayable(q, problem, use_kernels):
             # past the backend's layers, which cost a short call microseconds
             replayed = launchers()[0].replay_forward(q, k, v, problem, alibi_slopes, seed, sinks)
+            if replayed is not None:
+                return replayed
+        elif sinks is None and problem.split_kv and _early(q, use_kernels):
+            # likewise a decoding-shaped call (a few queries, many keys): past the transposes too
+            replayed = launchers()[2].replay_split_kv(q, k, v, problem)
             if replayed is not None:
                 return replayed
         packing = None if cu_seqlens_q is None else (cu_seqlens_q, cu_seqlens_k)

@@ -34,8 +34,8 @@ from flashattn.device_helpers import clamp as _clamp
 from flashattn.device_helpers import decode_split_range as _decode_split_range
 from flashattn.device_helpers import fwd_end_visible_key as _fwd_end_visible_key
 from flashattn.device_helpers import fwd_first_masked_key as _fwd_first_masked_key
-from flashattn.launch import launch, recording, replay
-from flashattn.problem import Problem
+from flashattn.launch import has_recipe, launch, recording, replay
+from flashattn.problem import Problem, dense_like
 from flashattn.problem import head_dim_block as _head_dim_block
 from flashattn.tensors import ceil_div
 from flashattn.tensors import interpreter_needs_float32 as _interpreter_needs_float32
@@ -365,7 +365,7 @@ def _scratch(shape, device) -> torch.Tensor:
 
 # --8<-- [start:decode-launch]
 def launch_decode(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, problem: Problem, max_keys: int,
-                  num_splits: int | None = None, out=None):
+                  num_splits: int | None = None, out=None, key=None):
     """Append ``k_new``/``v_new`` (None: nothing to append) to the cache in place, then run split-KV
     decoding on it.
 
@@ -374,7 +374,8 @@ def launch_decode(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, prob
     for it). ``max_keys`` bounds the lengths after the append (the cache's capacity when they are not
     known on the host). Returns ``(o, lse)``: o (B, Nq, Hq, D) in q's dtype (``out`` when given, any
     strides, else contiguous), lse (B, Hq, Nq) float32 natural log. Inputs are validated by :mod:`flashattn.decode`, which also makes q's device
-    the current one, where the launches go.
+    the current one, where the launches go. ``key``, when given, replaces the recipe key the call
+    would build (:func:`split_kv_key`): the caller vouches that it determines everything the key would hold.
     """
     scalar = isinstance(seq_lens, int)
     # the kernels read seq_lens[b] and a table row's entries at unit stride (a no-op when they are)
@@ -413,11 +414,12 @@ def launch_decode(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, prob
     # A step whose shapes, layouts and split count repeat an earlier one's replays that step's
     # launches with its own tensors (flashattn.launch.Recipe), as the attention launchers do; an int
     # length is the launches' one per-call integer, so a loop whose cache grows keeps replaying.
-    key = ("decode", q.dtype, q.device, q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(),
-           scalar or seq_lens.stride(), None if not paged else (block_table.shape, block_table.stride()),
-           None if not n_new else (k_new.shape, k_new.stride(), v_new.stride()), problem.causal, problem.scale,
-           num_splits,
-           None if out is None else out.stride())
+    if key is None:
+        key = ("decode", q.dtype, q.device, q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(),
+               scalar or seq_lens.stride(), None if not paged else (block_table.shape, block_table.stride()),
+               None if not n_new else (k_new.shape, k_new.stride(), v_new.stride()), problem.causal, problem.scale,
+               num_splits,
+               None if out is None else out.stride())
     # a caller's ``out`` is one of the inputs a replay takes; otherwise a replay allocates o itself
     inputs = (q, k_cache, v_cache, None if scalar else seq_lens, block_table, k_new, v_new, out)
     free = (seq_lens if scalar else 0,)
@@ -456,6 +458,28 @@ def launch_decode(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, prob
         record.keep(inputs, outputs if out is not None else (o, *outputs), free)
     return o, lse
 # --8<-- [end:decode-launch]
+
+
+def split_kv_key(q, k, v, problem: Problem) -> tuple:
+    """The recipe key of a dense-API call that the split-KV kernels run (:attr:`Problem.split_kv`): q
+    (B, Hq, N, D), k and v (B, Hkv, M, D) as the API takes them. The problem (shapes, dtype, mask,
+    scale), the device and the three tensors' strides fix everything :func:`launch_decode`'s own key
+    would hold for their transposes: the split count and tile follow from the shapes and the device,
+    and the output is laid out from q (:func:`flashattn.problem.dense_like`)."""
+    return ("split_kv", problem, q.device, q.stride(), k.stride(), v.stride())
+
+
+def replay_split_kv(q, k, v, problem: Problem):
+    """``(o, lse)`` of a dense-API split-KV call from the recipe an earlier call with this key left
+    (recorded by :func:`flashattn.autograd`'s split-KV forward under :func:`split_kv_key`), or None where
+    there is none: the caller made q's device the current one. The recipe takes the tensors as the API
+    gives them: their transposes, which the kernels were launched with, share their data pointers."""
+    key = split_kv_key(q, k, v, problem)
+    if not has_recipe(key):  # (before o is allocated for nothing)
+        return None
+    o = dense_like(q)
+    replayed = replay(key, (q, k, v, None, None, None, None, o), (problem.m,))
+    return None if replayed is None else (o, replayed[0])
 
 
 def _append(k_cache, v_cache, seq_lens, k_new, v_new, block_table, record) -> None:

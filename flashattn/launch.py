@@ -379,6 +379,11 @@ def recording(key) -> Recording | None:
     return Recording(key)
 
 
+def has_recipe(key) -> bool:
+    """Whether a recipe is kept for ``key`` (:func:`replay` may still decline it: a hook, a misaligned input)."""
+    return _RECIPES.get(key) is not None
+
+
 def replay(key, inputs: tuple, free: tuple = ()):
     """The outputs of a launcher call repeated from its recipe (:meth:`Recording.keep`) with these
     ``inputs`` and per-call integers, or None when there is no recipe for ``key`` or it does not

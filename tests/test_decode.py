@@ -12,11 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import flashattn
 import flashattn.autograd
 import flashattn.decode_kernels
 from flashattn import reference, schedule
 from flashattn.decode import attention_with_kvcache
-from flashattn.testing import assert_close_ratio
+from flashattn.testing import assert_close_ratio, random_qkv
 
 from devices import DEVICE, HAS_CUDA, cpu_only, gpu, needs_cuda
 
@@ -172,6 +173,45 @@ def test_replayed_decode_steps_are_the_full_path(monkeypatch, num_splits, paged,
     assert got[True] == got[False]
     if int_lengths:  # the later step's own length reached every launch that takes it
         assert sum((int, 71) in launch for launch in got[True]) == 1 + append
+
+
+@pytest.mark.parametrize("b, h_q, h_kv, n, m, layout, causal", [
+    (1, 8, 2, 1, 4096, "bhnd", False), (2, 4, 4, 3, 5000, "bnhd", True), (1, 4, 1, 16, 4100, "bhnd", True)])
+def test_a_repeated_split_kv_call_replays_before_its_transposes(monkeypatch, b, h_q, h_kv, n, m, layout, causal):
+    """A dense-API call that the split-KV kernels run (few queries, many keys), repeated with new tensors
+    of the same shapes and strides, goes from the autograd layer straight to the first call's recipe
+    (decode_kernels.replay_split_kv, keyed on the tensors as given): it hands the C launchers exactly
+    what the full path hands them (split and merge: every pointer, stride and scalar), and
+    launch_decode, with its transposes and its own key, is not called again. On the CPU, through
+    benchmarks.hostcost's no-op launches, with the early replay's CUDA-device check made to pass."""
+    from benchmarks import hostcost
+    from flashattn import autograd, decode_kernels
+    from flashattn.problem import Problem
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the tool refuses the interpreter; kernels count as compiled
+    monkeypatch.setattr(autograd, "_early", lambda q, use_kernels: use_kernels)
+    gen = torch.Generator().manual_seed(b + n)
+    full_calls = []
+    real = decode_kernels.launch_decode
+    monkeypatch.setattr(decode_kernels, "launch_decode", lambda *a, **kw: full_calls.append(1) or real(*a, **kw))
+
+    def make():
+        return random_qkv(b, h_q, h_kv, n, m, 64, dtype=torch.float16, layout=layout, generator=gen)
+
+    def run(q, k, v):
+        flashattn.attention(q, k, v, causal=causal)
+
+    first, later = make(), make()
+    assert Problem.of(first[0], first[1], causal).split_kv
+    got = hostcost.replayed_and_full(run, first, later, later)
+    assert len(got[True]) == len(got[False]) == 2  # the split kernel and the merge
+    assert got[True] == got[False]
+    assert len(got["kept"]) == 1 and got["keys"] == 0  # replayed: no cache key, no binding
+    full_calls.clear()
+    with hostcost.launches_disabled():
+        run(*first)
+        run(*later)
+    assert len(full_calls) == 1  # the first call alone
 
 
 @cpu_only
