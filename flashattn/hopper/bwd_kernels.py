@@ -247,6 +247,8 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, full, empty, dk_desc
     # dK = scale dS^T Q (the natural scale: the scores' log2(e) lives only in the exponent).
     # K and V of this warpgroup are dead (its last products have completed): stage the results
     # there and TMA-store them; TMA clips key rows >= M.
+    if ATOMIC_DQ:  # the other warpgroup's dQ products read this K half too: wait for its last one
+        mbarrier.wait(ds_empty, (t & 1) ^ 1)
     k_c.store((dk * scale).to(k_c.dtype))
     v_c.store(dv.to(v_c.dtype))
     fence_async_shared()
