@@ -327,10 +327,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             to less than 1; the LSE counts it (a row with no key gets o = 0, LSE = the sink). It
             receives a gradient; composes with every other option.
         deterministic: True (the default): the backward gives bitwise the same gradients on every run.
-            False lets it sum dQ with floating-point atomic additions, whose order varies between runs
-            (their last bits too), to skip recomputing two of the seven products; it applies where the
-            Hopper backward in Gluon runs at D = 128 (large plain problems on sm_90), and elsewhere the
-            deterministic kernels run.
+            False permits a backward that sums dQ with floating-point atomic additions, whose order
+            (and so dQ's last bits) varies between runs, to skip recomputing two of its seven products.
+            The one built (the Hopper dK/dV kernel in Gluon at D = 128) measured slower than the
+            deterministic kernels, so it runs only under ``flashattn._config.tuning(atomic_dq=True)``;
+            False alone runs the deterministic kernels.
 
     Returns:
         ``o`` of the shape and dtype of ``q``, or ``(o, lse)`` when ``return_lse`` is set. Empty

@@ -52,10 +52,10 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     (any negative value) for an unbounded side, ``softcap`` 0 for off, ``alibi_slopes`` float32 (H,)
     or (B, H), ``dropout_p`` drawn with ``generator`` (torch's default CPU generator when None; pass
     ``dropout_p=0.0`` at evaluation) or from the explicit ``seed`` (what dropout needs under
-    ``torch.compile``). See :func:`attention` for each, ``deterministic`` included: False allows a
-    backward whose dQ differs in its last bits between runs, where one is faster (FlashAttention 2's
-    default is False; this one's is True, so a call that does not ask gets the same bits every run).
-    With ``return_attn_probs`` the
+    ``torch.compile``). See :func:`attention` for each, ``deterministic`` included: False permits a
+    backward whose dQ differs in its last bits between runs (FlashAttention 2's default is False; this
+    one's is True, so a call that does not ask gets the same bits every run). With
+    ``return_attn_probs`` the
     result is ``(out, softmax_lse, None)``, the LSE shaped (B, H, N); flashattn never materializes
     the probabilities.
     """
