@@ -11,7 +11,8 @@ backward) on float16 CPU tensors, routed to the Triton launchers as CUDA tensors
 counts as compiled and launches through the package's direct launch, whose two C calls (the
 generated launcher and the TMA descriptor fill) do nothing. What it reports is therefore everything
 the package does per call except those C calls and the GPU, once with every launcher call on the full
-path (no recipe kept) and once replayed:
+path (no recipe kept) and once replayed (a repeated call goes from the autograd layer straight to its
+recipe, as an eager call on the GPU's current device does):
 
 * ``fwd`` and ``fwd+bwd``: ``flashattn.attention(q, k, v)`` with q, k, v requiring grad, and
   ``torch.autograd.grad`` of it (the latency section's two passes), on the calling thread;
@@ -149,12 +150,13 @@ class _Stream:
 def launches_disabled(capture: bool = False, replay: bool = True, second_stream: bool = False):
     """Route float16/bfloat16 CPU tensors to the Triton launchers and make every launch a no-op,
     restoring the package afterwards: each kernel counts as compiled and launches through the
-    package's direct launch, whose C calls do nothing (:class:`_NoLaunch`). ``replay`` off
+    package's direct launch, whose C calls do nothing (:class:`_NoLaunch`); the autograd layer's early
+    replay takes these tensors as it takes CUDA tensors on the current device. ``replay`` off
     forgets every recipe before each launcher call, so each one takes the full path. Streams are
     stand-ins (:class:`_Stream`: the current one has handle 0); with ``second_stream`` every
     backward runs dQ on a second one (handle 1), as large problems on a GPU do. Refuses to run
     under TRITON_INTERPRET (the interpreter never takes the compiled-kernel path this replaces)."""
-    from flashattn import _config, api, decode, tensors, varlen
+    from flashattn import _config, api, autograd, decode, tensors, varlen
     from flashattn import launch as launch_mod
     from flashattn import backward as bwd_mod, forward as fwd_mod
     from flashattn.autograd import KERNEL_DTYPES
@@ -191,11 +193,13 @@ def launches_disabled(capture: bool = False, replay: bool = True, second_stream:
     saved = dict(compiled=launch_mod._COMPILED, device=launch_mod._current_device, use=[m.use_kernels for m in users],
                  stream=launch_mod._stream, recipes=launch_mod._RECIPES, interpreted=launch_mod._interpreted,
                  current_stream=launch_mod._current_stream, stream_context=launch_mod._stream_context,
-                 second_stream=bwd_mod._second_stream, fast_path=launch_mod._FAST_PATH)
+                 second_stream=bwd_mod._second_stream, fast_path=launch_mod._FAST_PATH, early=autograd._early)
     launch_mod._COMPILED, launch_mod._RECIPES = Compiled(), ({} if replay else Forgetful())
     launch_mod._FAST_PATH = [True]  # the no-op launches stand in for the fast path on any Triton
     launch_mod._interpreted = lambda kernel: False  # kernels jitted under the interpreter (the tests') count as compiled
     launch_mod._current_device = tensors._current_device = lambda: 0
+    # the autograd layer's early replay asks for a CUDA tensor on the current device: these stand in for one
+    autograd._early = lambda q, use_kernels: use_kernels and autograd._EARLY_REPLAY[0]
     launch_mod._stream = lambda device: current[-1].cuda_stream
     launch_mod._current_stream = lambda device: current[-1]
     launch_mod._stream_context = stream_context
@@ -213,6 +217,7 @@ def launches_disabled(capture: bool = False, replay: bool = True, second_stream:
         bwd_mod._second_stream = saved["second_stream"]
         launch_mod._interpreted = saved["interpreted"]
         launch_mod._FAST_PATH = saved["fast_path"]
+        autograd._early = saved["early"]
         for m, use in zip(users, saved["use"]):
             m.use_kernels = use
 
