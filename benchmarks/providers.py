@@ -86,21 +86,22 @@ class FlashAttn(Provider):
     """flashattn.attention (the Triton kernels, through torch.autograd)."""
 
     name, label, ours, runs_ours_only_settings = "flashattn", "flashattn (ours)", True, True
+    OPTIONS: dict = {}  # more keyword arguments of every call
 
     def prepare(self, setting, device):
         import flashattn
 
-        fn = functools.partial(flashattn.attention, causal=setting.causal)
+        fn = functools.partial(flashattn.attention, causal=setting.causal, **self.OPTIONS)
         fn.gqa = "native" if setting.gqa else None
         return fn
 
     def latency_parts(self, setting, device, compile_fn) -> LatencyParts:
         import flashattn
 
-        causal = setting.causal
+        causal, options = setting.causal, self.OPTIONS
 
         def inner(q, k, v):
-            return flashattn.attention(q, k, v, causal=causal)
+            return flashattn.attention(q, k, v, causal=causal, **options)
 
         return LatencyParts(inner)
 
@@ -145,20 +146,7 @@ class FlashAttnNondeterministic(FlashAttnTuned):
     (elsewhere the same kernels as flashattn). Not in the default run."""
 
     name, label, ours = "flashattn_nondet", "flashattn, deterministic=False, atomic dQ", False
-    TUNING = {"atomic_dq": True}
-
-    def prepare(self, setting, device):
-        import flashattn
-        from flashattn import _config
-
-        inner = functools.partial(flashattn.attention, causal=setting.causal, deterministic=False)
-
-        def fn(q, k, v):
-            with _config.tuning(**self.TUNING):
-                return inner(q, k, v)
-
-        fn.gqa = "native" if setting.gqa else None
-        return fn
+    TUNING, OPTIONS = {"atomic_dq": True}, {"deterministic": False}
 
 
 class SDPA(Provider):

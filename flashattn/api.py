@@ -188,18 +188,13 @@ def check_dropout_source(generator, seed) -> None:
             raise ValueError("pass either a generator or a seed for dropout, not both")
 
 
-def _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p):
+def _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p, deterministic=True):
     """Every check of :func:`attention`'s arguments but the dropout seed's source; returns the window
     as a tuple (or None) and softcap as a float."""
     _check_inputs(q, k, v, causal, scale, allow_empty=True)
     check_flag("return_lse", return_lse)
+    check_flag("deterministic", deterministic)
     return check_variants(q, q.shape[0], q.shape[1], window, softcap, alibi_slopes, dropout_p)
-
-
-def check_deterministic(deterministic) -> None:
-    """``deterministic`` must be a bool (a truthy string or tensor would silently pick a backward)."""
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
 
 
 _DESCRIBED = table("api.described")  # the signature of a call that passed the checks -> its Problem
@@ -235,8 +230,8 @@ def _described(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes
         signature = problem = None
     if problem is not None:
         return problem
-    window, softcap = _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p)
-    check_deterministic(deterministic)
+    window, softcap = _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p,
+                                  deterministic)
     problem = Problem.of(q, k, causal, scale, window=window, softcap=softcap, alibi=alibi_slopes is not None,
                          dropout_p=float(dropout_p), head_dim_v=v.shape[-1], sinks=has_sinks,
                          deterministic=deterministic)
@@ -353,8 +348,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     q, k, v = autocast_inputs(q, k, v)
     if torch.compiler.is_compiling():
         # traced once per graph: the full checks, with no cache keyed by (symbolic) shapes
-        window, softcap = _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p)
-        check_deterministic(deterministic)
+        window, softcap = _check_call(q, k, v, causal, scale, return_lse, window, softcap, alibi_slopes, dropout_p,
+                                      deterministic)
         check_dropout_source(generator, seed)
         if dropout_p > 0 and seed is None:
             raise ValueError("under torch.compile, dropout needs an explicit seed= (a generator cannot be traced)")

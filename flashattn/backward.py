@@ -488,9 +488,7 @@ def atomic_dq(problem: Problem, device: torch.device) -> bool:
     turns it on (it measured slower than the deterministic pair, so nothing else does) and that kernel
     runs (plain dense problems past the Gluon bar on sm_90) at D = 128. Its dQ's last bits vary from
     run to run."""
-    return (not problem.deterministic and _config.current_tuning().atomic_dq and problem.layout == "dense"
-            and not problem.head_dim_v
-            and not problem.sinks
+    return (not problem.deterministic and _config.current_tuning().atomic_dq
             and problem.head_dim in hopper.bwd.ATOMIC_DQ_HEAD_DIMS
             and _config.gluon_kernel("bwd_dkdv", problem, device) and hopper.bwd.atomic_available())
 
@@ -500,8 +498,6 @@ def backward_key(do, q, k, v, o, lse, problem: Problem, dlse, alibi_slopes, side
     first one's launches with its own tensors (as in the forward, :func:`flashattn.forward.forward_key`),
     the stream switches of dQ's second stream ``side`` (large problems only) included."""
     if problem.varlen or type(q) is not torch.Tensor:  # a subclass: the full path
-        return None
-    if not problem.deterministic and atomic_dq(problem, q.device):  # allocates and scales dQ outside kernels
         return None
     return (problem, q.device, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(), lse.stride(),
             dlse is not None and dlse.stride(), alibi_slopes is not None and alibi_slopes.dim(),
@@ -586,12 +582,9 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
     desc = Descriptors(p.block_d)  # shared by the two kernels where their tiles agree
     sink_parts = [delta]  # the dQ launch's per-block shares of the sinks' gradient (HAS_SINKS), once it ran
 
-    dq_accum = None
-    if atomic:  # dQ summed by the dK/dV kernel
-        # (a call that only compiles takes one block: the kernel is specialized on the descriptor's
-        # dtype and tile, not on its shape)
-        shape = (1, 1, hopper.bwd.BLOCK_M, p.head_dim) if compiling() else (batch, p.heads_q, n_q, p.head_dim)
-        dq_accum = torch.zeros(shape, dtype=torch.float32, device=q.device)
+    # dQ summed by the dK/dV kernel (never in a call that only compiles, or one that records: both run
+    # under the default tuning, where atomic_dq is off)
+    dq_accum = q.new_zeros(q.shape, dtype=torch.float32) if atomic else None
 
     def run_dkdv(plan: _config.Plan | None, record=None):
         if plan is None:  # the Hopper kernel in Gluon, whose tiles are its own
@@ -629,8 +622,7 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
 
     if atomic:  # dK, dV and the dQ sums in one kernel
         run_dkdv(None)
-        if not compiling():
-            dq.copy_(dq_accum.mul_(p.scale))
+        dq.copy_(dq_accum.mul_(p.scale))
         return dq, dk, dv  # (no sinks: the Gluon kernels never take them)
     device = q.device
     if p.varlen:  # the fixed table entries, as in the forward
