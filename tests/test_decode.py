@@ -735,9 +735,11 @@ def test_cache_options_match_their_definitions(name, causal, options):
     (dict(rotary_cos=torch.zeros(8, 4), rotary_sin=torch.zeros(8, 4)), ValueError, "rotary_cos has 8 rows"),
 ])
 def test_bad_cache_options_are_refused(kwargs, error, words):
-    q = torch.zeros(2, 1, 2, 16, device=DEVICE)
-    cache = torch.zeros(2, 8, 2, 16, device=DEVICE)
-    kwargs = {key: (val.to(DEVICE) if isinstance(val, torch.Tensor) else val) for key, val in kwargs.items()}
+    dtype = torch.float16 if HAS_CUDA else torch.float32  # the GPU refuses float32 before the option checks
+    q = torch.zeros(2, 1, 2, 16, device=DEVICE, dtype=dtype)
+    cache = torch.zeros(2, 8, 2, 16, device=DEVICE, dtype=dtype)
+    kwargs = {key: (val.to(DEVICE, dtype if val.is_floating_point() else val.dtype) if isinstance(val, torch.Tensor)
+                    else val) for key, val in kwargs.items()}
     with pytest.raises(error, match=words):
         attention_with_kvcache(q, cache, cache.clone(), cache_seqlens=torch.tensor([3, 8], dtype=torch.int32,
                                                                                      device=DEVICE), **kwargs)
