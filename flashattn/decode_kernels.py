@@ -286,10 +286,12 @@ def _decode_merge_kernel(
     for i_split in range(0, N_SPLITS):
         part = (i_split * tl.num_programs(0) + i_bh).to(tl.int64) * n_rows + offs_r  # [BLOCK_R]
         b_lse2 = tl.load(LSE_PART + part, mask=mask_r, other=float("-inf"))  # [BLOCK_R]
-        seen = b_lse2 != float("-inf")
-        # an empty partial's output was never written: it is not read, whatever the scratch holds
+        # the output loads beside its LSE, not behind it (one wait on memory per split, not two); an
+        # empty partial's output was never written, so whatever the scratch holds there is dropped,
+        # not weighed by 0 (0 * NaN is NaN)
         b_o = tl.load(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=(mask_r & seen)[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_R, BLOCK_D]
+                      mask=mask_r[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_R, BLOCK_D]
+        b_o = tl.where((b_lse2 != float("-inf"))[:, None], b_o, 0.0)
         m_new = tl.maximum(m_i, b_lse2)
         # rows with no partial seen yet pivot at 0, so 2^(-inf - 0) = 0 instead of 2^(-inf + inf) = NaN
         m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
