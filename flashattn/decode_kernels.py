@@ -254,7 +254,7 @@ def _decode_split_kernel(
         tl.store(p_lse, b_lse2 * LN2, mask=mask_r)
     else:
         # scratch (splits, B * Hkv, rows, D) and (splits, B * Hkv, rows), float32; the output of an
-        # empty row is never written, and the merge never reads it
+        # empty row is never written, and the merge drops what it loads there
         part = (i_split.to(tl.int64) * tl.num_programs(0) + i_bh) * n_rows + offs_r  # [BLOCK_M]
         tl.store(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], b_o,
                  mask=(mask_r & ~empty)[:, None] & mask_d[None, :])
