@@ -17,25 +17,22 @@ a few short shapes, with the timed loops taking turns, it times back-to-back eag
 
 Each step runs twice: with PyTorch's default autograd threads (the backward of CUDA tensors on a worker
 thread) and inside ``torch.autograd.set_multithreading_enabled(False)`` (on the calling thread). The
-forward alone is timed too, inputs requiring grad. A step's time is the wall clock of n back-to-back
-steps between two synchronizes over n, the median of 5 rounds; the host's share (the clock when the
-last step returns, before the final synchronize) is kept beside it. Writes ``DIR/host_floor.json``
-and ``DIR/host_floor.md``.
+forward alone is timed too, inputs requiring grad. Every loop is timed as the latency section times a
+call (:class:`benchmarks.latency.WallClock`: back-to-back calls between two synchronizes, the host's
+share beside the wall clock, the median of the repeats), and the functions' loops take turns. Writes
+``DIR/host_floor.json`` and ``DIR/host_floor.md``.
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import torch
 
-from benchmarks import side
+from benchmarks import latency, side
 
 SHAPES = ((8, 16, 128, 128, torch.bfloat16, False), (32, 12, 128, 64, torch.float16, False),
           (8, 16, 256, 128, torch.bfloat16, True))  # (B, H, N, D, dtype, causal): three of the short section's
-STEPS, FORWARDS, ROUNDS = 200, 500, 5
 
 
 def _outputs(ctx, q, k, v) -> torch.Tensor:
@@ -81,37 +78,24 @@ class FloorKernels(torch.autograd.Function):
         return grads
 
 
-def _loop(fn, n: int) -> tuple[float, float]:
-    """µs per call of n back-to-back calls: (the host's share, the wall clock)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return (t1 - t0) / n * 1e6, (t2 - t0) / n * 1e6
+def _turns(calls: dict, timer, sync=None) -> dict:
+    """Each call's ``timer.summary``: every call calibrated, then the timed loops taking turns."""
+    sync = sync or torch.cuda.synchronize
+    counts = {name: timer.calibrate(call, sync) for name, call in calls.items()}
+    samples = {name: [] for name in calls}
+    for _ in range(timer.repeats):
+        for name, call in calls.items():
+            samples[name].append(timer.sample(call, sync, counts[name]))
+    return {name: timer.summary(counts[name], samples[name]) for name in calls}
 
 
-def _turns(fns: dict, n: int) -> dict:
-    """Each function's (host, wall) median over ROUNDS rounds, the functions' loops taking turns."""
-    for fn in fns.values():
-        for _ in range(20):
-            fn()
-    times = {name: [] for name in fns}
-    for _ in range(ROUNDS):
-        for name, fn in fns.items():
-            times[name].append(_loop(fn, n))
-    return {name: {"host_us": statistics.median(t[0] for t in ts), "wall_us": statistics.median(t[1] for t in ts)}
-            for name, ts in times.items()}
-
-
-def run(device) -> dict:
+def run(device, timer=None) -> dict:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import flashattn
 
+    timer = timer or latency.WallClock()
     rows = []
     for b, h, n, d, dtype, causal in SHAPES:
         q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -130,11 +114,11 @@ def run(device) -> dict:
         row = {"B": b, "H": h, "N": n, "D": d, "dtype": str(dtype).removeprefix("torch."), "causal": causal}
         for threads in (True, False):
             with torch.autograd.set_multithreading_enabled(threads):
-                row["fwd_bwd_threads" if threads else "fwd_bwd_one_thread"] = _turns(steps, STEPS)
-        row["fwd"] = _turns({name: (lambda f=f: f(q, k, v)) for name, f in calls.items()}, FORWARDS)
+                row["fwd_bwd_threads" if threads else "fwd_bwd_one_thread"] = _turns(steps, timer)
+        row["fwd"] = _turns({name: (lambda f=f: f(q, k, v)) for name, f in calls.items()}, timer)
         rows.append(row)
     return side.record("a short step's host time against a Python autograd function's floor", device, rows,
-                       steps=STEPS, forwards=FORWARDS, rounds=ROUNDS)
+                       timer=timer.describe())
 
 
 COLUMNS = ("flashattn", "sdpa_efficient", "sdpa_cudnn", "floor", "floor_4_kernels")
@@ -143,13 +127,13 @@ COLUMNS = ("flashattn", "sdpa_efficient", "sdpa_cudnn", "floor", "floor_4_kernel
 def markdown(result: dict) -> str:
     lines = [f"{result['what']}; {result['device']}, torch {result['versions']['torch']}, triton "
              f"{result['versions']['triton']}. µs per step (wall clock of back-to-back eager steps, median of "
-             f"{result['rounds']} rounds, the loops taking turns).", "",
+             f"{result['timer']['repeats']} loops, the loops taking turns).", "",
              "| shape | pass | " + " | ".join(COLUMNS) + " |", "|---|---|" + "--:|" * len(COLUMNS)]
     for r in result["rows"]:
         shape = f"B{r['B']} H{r['H']} N{r['N']} D{r['D']} {r['dtype']}{' causal' if r['causal'] else ''}"
         for key, label in (("fwd", "forward"), ("fwd_bwd_threads", "fwd+bwd, autograd threads"),
                            ("fwd_bwd_one_thread", "fwd+bwd, one thread")):
-            lines.append(f"| {shape} | {label} | " + " | ".join(f"{r[key][c]['wall_us']:.1f}" for c in COLUMNS) + " |")
+            lines.append(f"| {shape} | {label} | " + " | ".join(f"{r[key][c]['us_per_call']:.1f}" for c in COLUMNS) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -313,8 +313,8 @@ def test_page_parts_say_plainly_when_no_run_is_committed_and_show_it_once_there(
 
 def test_host_floor_functions_allocate_what_they_stand_for_and_the_table_lists_every_pass(monkeypatch, capsys):
     """The floor functions return an output and three gradients of the inputs' shapes (the kernel variant
-    writes a zero into each, so it launched something); the table has one line per shape and pass; without a
-    GPU the command writes nothing and says why."""
+    writes a zero into each, so it launched something); the loops take turns under the latency section's
+    timer; the table has one line per shape and pass; without a GPU the command writes nothing and says why."""
     from benchmarks import host_floor
 
     q, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))
@@ -324,13 +324,22 @@ def test_host_floor_functions_allocate_what_they_stand_for_and_the_table_lists_e
         assert o.shape == q.shape and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
         if function is host_floor.FloorKernels:
             assert all(g[0, 0, 0, 0] == 0 for g in grads)
-    times = {c: {"host_us": 1.0, "wall_us": float(i + 1)} for i, c in enumerate(host_floor.COLUMNS)}
+    order = []
+    timer = latency.WallClock(target_ms=0.01, repeats=3, warmup_calls=1)
+    timed = host_floor._turns({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, timer, sync=lambda: None)
+    assert set(timed) == {"a", "b"} and all(t["repeats"] == 3 and t["us_per_call"] > 0 for t in timed.values())
+    calls = timed["a"]["calls"]
+    assert timed["b"]["calls"] == calls
+    # after each one's calibration (warm-up and three calls), the timed loops alternate a, b, a, b, a, b
+    assert order[2 * 4:] == (["a"] * calls + ["b"] * calls) * 3
+    times = {c: {"host_us_per_call": 1.0, "us_per_call": float(i + 1)} for i, c in enumerate(host_floor.COLUMNS)}
     row = {"B": 8, "H": 16, "N": 128, "D": 128, "dtype": "bfloat16", "causal": True,
            "fwd": times, "fwd_bwd_threads": times, "fwd_bwd_one_thread": times}
-    result = {"what": "w", "device": "d", "versions": {"torch": "t", "triton": "tr"}, "rounds": 5, "rows": [row, row]}
+    result = {"what": "w", "device": "d", "versions": {"torch": "t", "triton": "tr"}, "timer": timer.describe(),
+              "rows": [row, row]}
     table = host_floor.markdown(result)
     assert table.count("| B8 H16 N128 D128 bfloat16 causal |") == 6
-    assert "| 1.0 | 2.0 | 3.0 | 4.0 | 5.0 |" in table
+    assert "| 1.0 | 2.0 | 3.0 | 4.0 | 5.0 |" in table and "median of 3 loops" in table
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert host_floor.main(["--out", "unused"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
