@@ -328,10 +328,9 @@ def test_host_floor_functions_allocate_what_they_stand_for_and_the_table_lists_e
     timer = latency.WallClock(target_ms=0.01, repeats=3, warmup_calls=1)
     timed = host_floor._turns({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, timer, sync=lambda: None)
     assert set(timed) == {"a", "b"} and all(t["repeats"] == 3 and t["us_per_call"] > 0 for t in timed.values())
-    calls = timed["a"]["calls"]
-    assert timed["b"]["calls"] == calls
-    # after each one's calibration (warm-up and three calls), the timed loops alternate a, b, a, b, a, b
-    assert order[2 * 4:] == (["a"] * calls + ["b"] * calls) * 3
+    # after each one's calibration (warm-up and three calls), the timed loops alternate a, b, a, b, a, b,
+    # each as long as its own calibration asked
+    assert order[2 * 4:] == (["a"] * timed["a"]["calls"] + ["b"] * timed["b"]["calls"]) * 3
     times = {c: {"host_us_per_call": 1.0, "us_per_call": float(i + 1)} for i, c in enumerate(host_floor.COLUMNS)}
     row = {"B": 8, "H": 16, "N": 128, "D": 128, "dtype": "bfloat16", "causal": True,
            "fwd": times, "fwd_bwd_threads": times, "fwd_bwd_one_thread": times}
