@@ -531,7 +531,7 @@ def launch_backward(do, q, k, v, o, lse, problem: Problem, dlse=None, alibi_slop
                                 alibi_slopes, seed, packing, sinks)
         return (*(g.to(q.dtype) for g in grads[:3]), *grads[3:])
     p = problem
-    atomic = not p.deterministic and atomic_dq(p, q.device)  # (q.device only where it may apply)
+    atomic = atomic_dq(p, q.device)
     side = None if atomic else _second_stream(q, p)
     key = backward_key(do, q, k, v, o, lse, p, dlse, alibi_slopes, side)
     inputs, free = (do, q, k, v, o, lse, dlse, alibi_slopes, sinks), seed_halves(p, seed)

@@ -86,7 +86,6 @@ def dkdv(q, k, v, do, lse2, delta, dk, dv, causal: bool, scale: float, stages: i
                record=record)
 
 
-
 # dQ in Gluon: one CTA per 128 query rows of one (batch, query head), built like the forward (two
 # consumer warpgroups of 64 rows, a TMA producer warp, a K/V ring); dispatched at D = 128 and 256.
 DQ_BLOCK_N = 64        # keys per step

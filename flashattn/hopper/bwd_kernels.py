@@ -129,14 +129,13 @@ def _dkdv_step(t, m0, k_c, v_c, q_smem, do_smem, full, empty, dk, dv, lse2_ptr, 
         dk, dv = _dkdv_dq_products(dst, pt_op, dv_tok, do_t, q_t, dk, dv, k_smem, ds_smem, ds_full, ds_empty,
                                    dq_desc, dq_smem, dq_at[0], dq_at[1], m0, t, HALF, BLOCK_M, HEAD_DIM, OVERLAP,
                                    st_layout, CONSUMER)
-        mbarrier.arrive(empty.index(s))
     else:
         dst_op = gl.convert_layout(dst.to(q_t.dtype), a_layout)
         if not OVERLAP:
             dv_tok = warpgroup_mma(pt_op, do_t, dv, is_async=True)
         dk_tok = warpgroup_mma(dst_op, q_t, dk, is_async=True)
         dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, pt_op, dst_op))
-        mbarrier.arrive(empty.index(s))
+    mbarrier.arrive(empty.index(s))  # this stage's Q and dO are read
     return dk, dv
 # --8<-- [end:gluon-dkdv-step]
 
