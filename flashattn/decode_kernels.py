@@ -314,14 +314,14 @@ def _decode_merge_kernel(
 
 
 # The tile's M side is the packed rows, at least 16 for tl.dot; the key block is as long as the
-# registers allow at each head dim. At D = 128 the key block and the depth are the sweep's choice:
-# 128-key blocks, two stages for a tile of 16 rows (one query of a GQA group) and three for larger
-# tiles (docs/kernels/tuning-log.md#decoding-an-append-kernel-int-lengths-and-swept-tiles-issue-11);
+# registers allow at each head dim. At D = 128 the key block and the depth are the sweeps' choice:
+# 128-key blocks, three stages
+# (docs/kernels/tuning-log.md#decodings-split-kernel-three-stages-and-one-wave-rounded-down-issue-44);
 # elsewhere they are not tuned.
 _INTERPRETER_BLOCK_M, _INTERPRETER_BLOCK_N = 16, 16
 _INTERPRETER_SPLITS = 3  # fixed, so that the tests walk several splits, some of them empty
 MAX_SPLITS = 128
-PROGRAMS_PER_SM = 1  # split until the grid holds about this many programs per SM (one wave) ...
+PROGRAMS_PER_SM = 1  # split while the grid holds at most this many programs per SM (one wave) ...
 MIN_BLOCKS_PER_SPLIT = 2  # ... but give each split at least this many key blocks
 
 
@@ -333,7 +333,7 @@ def decode_config(rows: int, block_d: int, device: torch.device) -> _config.Kern
     if block_d <= 64:
         return _config.KernelConfig(block_m, 128, 4, 3)
     if block_d <= 128:
-        return _config.KernelConfig(block_m, 128, 4, 2 if block_m <= 16 else 3)
+        return _config.KernelConfig(block_m, 128, 4, 3)
     return _config.KernelConfig(block_m, 32, 4, 2)
 
 
@@ -342,8 +342,9 @@ def choose_num_splits(programs: int, max_keys: int, block_n: int, device: torch.
     """How many splits share the keys of one tile, from the problem size and the SM count.
 
     ``programs`` is the grid without splits (B * Hkv * query tiles) and ``max_keys`` the most keys a
-    sequence can have. Enough splits to give every SM about ``PROGRAMS_PER_SM`` programs (one wave:
-    a tile's loads are deep enough to keep its SM busy, and a second wave would start late), but at most one split per
+    sequence can have. As many splits as keep the grid within ``PROGRAMS_PER_SM`` programs per SM (one
+    wave: a tile's loads are deep enough to keep its SM busy, and a program past the wave would start
+    only as one of the first ends), but at most one split per
     ``MIN_BLOCKS_PER_SPLIT`` key blocks of ``max_keys``, where the merge would cost more than the
     split saves. Splits take runs of ``ceil(blocks / splits)`` blocks, so the last can be shorter, or
     empty.
@@ -351,7 +352,7 @@ def choose_num_splits(programs: int, max_keys: int, block_n: int, device: torch.
     if _config.is_interpreter() or device.type != "cuda":
         return _INTERPRETER_SPLITS
     index = device.index if device.index is not None else torch.cuda.current_device()
-    wanted = ceil_div(PROGRAMS_PER_SM * _config._sm_count(index), programs)
+    wanted = PROGRAMS_PER_SM * _config._sm_count(index) // programs  # rounded down: no second wave
     longest = ceil_div(max_keys, block_n) // MIN_BLOCKS_PER_SPLIT
     return max(1, min(wanted, longest, MAX_SPLITS))
 # --8<-- [end:decode-num-splits]

@@ -348,14 +348,15 @@ def test_split_range_deals_whole_blocks_and_covers_every_key():
 
 
 def test_number_of_splits_follows_the_grid_and_the_keys(monkeypatch):
-    """The GPU heuristic (run here on a pretend 132-SM device): split until ~1 program per SM, at most
-    one split per 2 key blocks, at most MAX_SPLITS, and never below 1."""
+    """The GPU heuristic (run here on a pretend 132-SM device): split while the grid holds at most one
+    program per SM, at most one split per 2 key blocks, at most MAX_SPLITS, and never below 1."""
     dk = flashattn.decode_kernels
     monkeypatch.setattr(dk._config, "is_interpreter", lambda: False)
     monkeypatch.setattr(dk._config, "_sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
-    assert dk.choose_num_splits(16 * 8, 8192, 64, cuda) == 2  # 128 programs: 2 splits fill 132 SMs
-    assert dk.choose_num_splits(8, 8192, 64, cuda) == 17  # 8 programs: 17 splits
+    assert dk.choose_num_splits(16 * 8, 8192, 64, cuda) == 1  # 128 programs: 2 splits would need 2 waves
+    assert dk.choose_num_splits(60, 8192, 64, cuda) == 2  # 120 programs, where 3 splits would make 180
+    assert dk.choose_num_splits(8, 8192, 64, cuda) == 16  # 8 programs: 16 splits, 128 programs
     assert dk.choose_num_splits(8, 1024, 64, cuda) == 8  # but 16 key blocks: 8 splits of 2
     assert dk.choose_num_splits(16 * 8, 100, 64, cuda) == 1  # too short to split
     assert dk.choose_num_splits(1, 1 << 20, 64, cuda) == dk.MAX_SPLITS
