@@ -531,7 +531,6 @@ def test_gpu_replayed_decode_steps_match_the_full_path(monkeypatch):
     """A decoding loop whose steps replay their launches (flashattn.launch.Recipe) gives bitwise the
     outputs, LSEs and caches of the same loop on the full launch path: one new key per step with an int
     length that grows, a paged cache with a tensor of lengths, and one split (no merge)."""
-    from flashattn import device_helpers, tensors
     from flashattn import launch as launch_mod
 
     class NeverKept(dict):
