@@ -222,27 +222,20 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, full, empty, dk_desc
     for g in range(GROUP):
         row_base = (b * HQ + hkv * GROUP + g).to(gl.int64) * N  # lse2 and delta are (B, Hq, N)
         dq_at = (b, hkv * GROUP + g)  # with ATOMIC_DQ, where this head's dQ rows are added
-        for j in range(first_block, mid_block):
-            dk, dv = _dkdv_step(t, j * BLOCK_M, k_c, v_c, q_smem, do_smem, full, empty, dk, dv, lse2_ptr,
-                                delta_ptr, row_base, key0, N, M, qk_scale, k_smem, ds_smem, ds_full, ds_empty,
-                                dq_desc, dq_smem, dq_at, True, CAUSAL, HALF, BLOCK_M,
-                                STAGES, OVERLAP, st_layout, a_layout, row_layout, HEAD_DIM,
-                                ATOMIC_DQ, CONSUMER)
-            t += 1
-        for j in range(mid_block, full_blocks):
-            dk, dv = _dkdv_step(t, j * BLOCK_M, k_c, v_c, q_smem, do_smem, full, empty, dk, dv, lse2_ptr,
-                                delta_ptr, row_base, key0, N, M, qk_scale, k_smem, ds_smem, ds_full, ds_empty,
-                                dq_desc, dq_smem, dq_at, False, CAUSAL, HALF, BLOCK_M,
-                                STAGES, OVERLAP, st_layout, a_layout, row_layout, HEAD_DIM,
-                                ATOMIC_DQ, CONSUMER)
-            t += 1
-        for j in range(gl.maximum(mid_block, full_blocks), first_block + n_blocks):
-            dk, dv = _dkdv_step(t, j * BLOCK_M, k_c, v_c, q_smem, do_smem, full, empty, dk, dv, lse2_ptr,
-                                delta_ptr, row_base, key0, N, M, qk_scale, k_smem, ds_smem, ds_full, ds_empty,
-                                dq_desc, dq_smem, dq_at, True, CAUSAL, HALF, BLOCK_M,
-                                STAGES, OVERLAP, st_layout, a_layout, row_layout, HEAD_DIM,
-                                ATOMIC_DQ, CONSUMER)
-            t += 1
+        for part in gl.static_range(3):  # masked, unmasked, masked: three loops, unrolled here
+            if part == 0:
+                lo, hi = first_block, mid_block
+            elif part == 1:
+                lo, hi = mid_block, full_blocks
+            else:
+                lo, hi = gl.maximum(mid_block, full_blocks), first_block + n_blocks
+            for j in range(lo, hi):
+                dk, dv = _dkdv_step(t, j * BLOCK_M, k_c, v_c, q_smem, do_smem, full, empty, dk, dv, lse2_ptr,
+                                    delta_ptr, row_base, key0, N, M, qk_scale, k_smem, ds_smem, ds_full, ds_empty,
+                                    dq_desc, dq_smem, dq_at, part != 1, CAUSAL, HALF, BLOCK_M,
+                                    STAGES, OVERLAP, st_layout, a_layout, row_layout, HEAD_DIM,
+                                    ATOMIC_DQ, CONSUMER)
+                t += 1
     # dK = scale dS^T Q (the natural scale: the scores' log2(e) lives only in the exponent).
     # K and V of this warpgroup are dead (its last products have completed): stage the results
     # there and TMA-store them; TMA clips key rows >= M.
