@@ -216,11 +216,13 @@ def markdown(result: dict) -> str:
     rows = result["rows"]
     providers = list(dict.fromkeys(r["provider"] for r in rows))
     peers = [p for p in providers if not p.startswith("flashattn")]
+    modes = result.get("modes", MODES)
+    how = " and ".join({"eager": "eager calls", "graph": "CUDA-graph replays"}[mode] for mode in modes)
     lines = [f"Decoding, {result['what']}; {result['device']}, torch {result['versions']['torch']}, "
-             f"triton {result['versions']['triton']}. Time per call in µs (median of do_bench), eager calls "
-             f"and CUDA-graph replays; copy bandwidth {result['copy_bandwidth_gbps']:.0f} GB/s. "
+             f"triton {result['versions']['triton']}. Time per call in µs (median of do_bench), {how}; "
+             f"copy bandwidth {result['copy_bandwidth_gbps']:.0f} GB/s. "
              "(WRONG) marks an output that failed the float64 check.", ""]
-    for mode in result.get("modes", MODES):
+    for mode in modes:
         lines += [f"**{mode}**", "",
                   "| B | M | Nq | " + " | ".join(providers) + " | flashattn / best peer | flashattn % of copy BW |",
                   "|" + "---|" * (len(providers) + 5)]

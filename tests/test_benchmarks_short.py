@@ -292,7 +292,7 @@ def test_figure_is_listed_only_once_a_run_is_committed(tmp_path, monkeypatch):
 def test_page_parts_say_plainly_when_no_run_is_committed_and_show_it_once_there(tmp_path, monkeypatch):
     hooks = _load("flashattn_site_hooks_short", HOOKS / "site_hooks.py", monkeypatch)
     monkeypatch.setattr(hooks, "RESULTS", tmp_path)
-    for part in ("short", "first-call"):
+    for part in ("short", "first-call", "decoding"):
         assert "No run committed yet" in hooks._benchmarks(part)
     (tmp_path / "short").mkdir()
     records = _synthetic_records() + [_rec("flex", "fwd", 1.0, status="skipped", seqlen=64)]
@@ -305,6 +305,17 @@ def test_page_parts_say_plainly_when_no_run_is_committed_and_show_it_once_there(
              "prime": {"import_s": 1.0}, "rows": []}
     (tmp_path / "short" / "first_call.json").write_text(json.dumps(first))
     assert "| configuration | mode |" in hooks._benchmarks("first-call")
+    (tmp_path / "core").mkdir()
+    row = {"B": 1, "M": 4096, "Nq": 1, "check": {"passed": True}, "status": "ok", "gqa": "packed",
+           "layout": "view", "graph": {"us": 20.0, "copy_fraction": 0.2}}
+    decode_run = {"what": "decoding", "device": "a GPU", "versions": {"torch": "2", "triton": "3"},
+                  "copy_bandwidth_gbps": 4000.0, "modes": ["graph"],
+                  "rows": [dict(row, provider="flashattn_dense"), dict(row, provider="sdpa_cudnn", graph={"us": 16.0})]}
+    for name, us in (("dense_decode_a.json", 30.0), ("dense_decode_b.json", 20.0)):
+        decode_run["rows"][0]["graph"]["us"] = us
+        (tmp_path / "core" / name).write_text(json.dumps(decode_run))
+    page = hooks._benchmarks("decoding")
+    assert "| 1 | 4096 | 1 | 20 | 16 | 0.80x | 20% |" in page and "dense_decode_b.json" in page  # the last run
     with pytest.raises(ValueError, match="unknown benchmarks part"):
         hooks._benchmarks("nope")
 
@@ -326,7 +337,8 @@ def test_host_floor_functions_allocate_what_they_stand_for_and_the_table_lists_e
             assert all(g[0, 0, 0, 0] == 0 for g in grads)
     order = []
     timer = latency.WallClock(target_ms=0.01, repeats=3, warmup_calls=1)
-    timed = host_floor._turns({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, timer, sync=lambda: None)
+    timed = host_floor._turns({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, timer,
+                              sync=lambda: None)
     assert set(timed) == {"a", "b"} and all(t["repeats"] == 3 and t["us_per_call"] > 0 for t in timed.values())
     # after each one's calibration (warm-up and three calls), the timed loops alternate a, b, a, b, a, b,
     # each as long as its own calibration asked

@@ -68,12 +68,14 @@ def plots(pngs: list[Path]) -> str:
 
 
 def render(results: Path, part: str = "") -> str:
-    """The page's part named by the directive's argument: the main results (none), ``short`` or ``first-call``."""
+    """The page's part named by the directive's argument: the main results (none), ``short``, ``first-call``
+    or ``decoding``."""
     if part:
-        parts = {"short": short, "first-call": first_call}
+        parts = {"short": (short, "short"), "first-call": (first_call, "short"), "decoding": (decoding, "core")}
         if part not in parts:
             raise ValueError(f"unknown benchmarks part {part!r} (known: {', '.join(parts)})")
-        return parts[part](results / "short")
+        show, folder = parts[part]
+        return show(results / folder)
     summary = results / "summary.md"
     pngs = sorted(results.glob("*.png")) if results.is_dir() else []
     jsons = sorted(results.glob("*.json")) if results.is_dir() else []
@@ -138,3 +140,16 @@ def first_call(folder: Path) -> str:
     from benchmarks import first_call as first_call_mod
 
     return first_call_mod.markdown(result)
+
+
+def decoding(folder: Path) -> str:
+    """The last committed run of dense-API decoding (``benchmarks.decode`` with ``flashattn_dense``; runs are
+    committed as ``dense_decode_a.json``, ``_b``, ..., so the last by name), or a plain note when there is none."""
+    runs = sorted(folder.glob("dense_decode_*.json")) if folder.is_dir() else []
+    if not runs:
+        return ('!!! info "No run committed yet"\n\n'
+                "    `benchmarks/results/core/dense_decode_*.json` is not there: no run of `benchmarks.decode`\n"
+                "    with `flashattn_dense` has been committed yet.\n")
+    from benchmarks import decode as decode_mod
+
+    return decode_mod.markdown(_json(runs[-1])) + f"\nFrom `benchmarks/results/core/{runs[-1].name}`.\n"
