@@ -321,8 +321,9 @@ def _decode_merge_kernel(
 _INTERPRETER_BLOCK_M, _INTERPRETER_BLOCK_N = 16, 16
 _INTERPRETER_SPLITS = 3  # fixed, so that the tests walk several splits, some of them empty
 MAX_SPLITS = 128
-PROGRAMS_PER_SM = 1  # split while the grid holds at most this many programs per SM (one wave) ...
+PROGRAMS_PER_SM = 1  # split until the grid holds about this many programs per SM (one wave) ...
 MIN_BLOCKS_PER_SPLIT = 2  # ... but give each split at least this many key blocks
+SM_SHARED_BYTES = 228 * 1024  # shared memory of one SM on sm_90 (sm_80 has less)
 
 
 def decode_config(rows: int, block_d: int, device: torch.device) -> _config.KernelConfig:
@@ -338,21 +339,30 @@ def decode_config(rows: int, block_d: int, device: torch.device) -> _config.Kern
 
 
 # --8<-- [start:decode-num-splits]
-def choose_num_splits(programs: int, max_keys: int, block_n: int, device: torch.device) -> int:
+def fills_sm(cfg: _config.KernelConfig, block_d: int, element_size: int) -> bool:
+    """Whether a split program's key and value stages take more than half of an SM's shared memory, so
+    that no second program runs beside it (its loop holds ``num_stages - 1`` blocks of K and V in flight)."""
+    return (cfg.num_stages - 1) * cfg.block_n * block_d * element_size * 2 > SM_SHARED_BYTES // 2
+
+
+def choose_num_splits(programs: int, max_keys: int, block_n: int, device: torch.device,
+                      whole_sm: bool = False) -> int:
     """How many splits share the keys of one tile, from the problem size and the SM count.
 
     ``programs`` is the grid without splits (B * Hkv * query tiles) and ``max_keys`` the most keys a
-    sequence can have. As many splits as keep the grid within ``PROGRAMS_PER_SM`` programs per SM (one
-    wave: a tile's loads are deep enough to keep its SM busy, and a program past the wave would start
-    only as one of the first ends), but at most one split per
+    sequence can have. Enough splits to give every SM about ``PROGRAMS_PER_SM`` programs (one wave: a
+    tile's loads are deep enough to keep its SM busy), but at most one split per
     ``MIN_BLOCKS_PER_SPLIT`` key blocks of ``max_keys``, where the merge would cost more than the
-    split saves. Splits take runs of ``ceil(blocks / splits)`` blocks, so the last can be shorter, or
-    empty.
+    split saves. The count is rounded up, except for programs that take a ``whole_sm``
+    (:func:`fills_sm`): those run one to an SM, and one past the wave would start only as one of the
+    first ends, so it is rounded down. Splits take runs of ``ceil(blocks / splits)`` blocks, so the
+    last can be shorter, or empty.
     """
     if _config.is_interpreter() or device.type != "cuda":
         return _INTERPRETER_SPLITS
     index = device.index if device.index is not None else torch.cuda.current_device()
-    wanted = PROGRAMS_PER_SM * _config._sm_count(index) // programs  # rounded down: no second wave
+    slots = PROGRAMS_PER_SM * _config._sm_count(index)
+    wanted = slots // programs if whole_sm else ceil_div(slots, programs)
     longest = ceil_div(max_keys, block_n) // MIN_BLOCKS_PER_SPLIT
     return max(1, min(wanted, longest, MAX_SPLITS))
 # --8<-- [end:decode-num-splits]
@@ -410,7 +420,8 @@ def launch_decode(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, prob
         if tiles > 65535:
             raise ValueError(f"q has too many queries for one call: Nq * Hq / Hkv = {rows} packed rows "
                              f"need {tiles} tiles of {cfg.block_m}, at most 65535")
-        splits = num_splits or choose_num_splits(batch * h_kv * tiles, max_keys, cfg.block_n, q.device)
+        splits = num_splits or choose_num_splits(batch * h_kv * tiles, max_keys, cfg.block_n, q.device,
+                                                 fills_sm(cfg, block_d, q.element_size()))
         plan = remember(_PLANS, plan_key, (cfg, tiles, splits))
     cfg, tiles, num_splits = plan
     paged = block_table is not None

@@ -348,19 +348,29 @@ def test_split_range_deals_whole_blocks_and_covers_every_key():
 
 
 def test_number_of_splits_follows_the_grid_and_the_keys(monkeypatch):
-    """The GPU heuristic (run here on a pretend 132-SM device): split while the grid holds at most one
-    program per SM, at most one split per 2 key blocks, at most MAX_SPLITS, and never below 1."""
+    """The GPU heuristic (run here on a pretend 132-SM device): split until ~1 program per SM, rounded
+    down for programs that take a whole SM, at most one split per 2 key blocks, at most MAX_SPLITS, and
+    never below 1."""
     dk = flashattn.decode_kernels
     monkeypatch.setattr(dk._config, "is_interpreter", lambda: False)
     monkeypatch.setattr(dk._config, "_sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
-    assert dk.choose_num_splits(16 * 8, 8192, 64, cuda) == 1  # 128 programs: 2 splits would need 2 waves
-    assert dk.choose_num_splits(60, 8192, 64, cuda) == 2  # 120 programs, where 3 splits would make 180
-    assert dk.choose_num_splits(8, 8192, 64, cuda) == 16  # 8 programs: 16 splits, 128 programs
+    assert dk.choose_num_splits(16 * 8, 8192, 64, cuda) == 2  # 128 programs: 2 splits fill 132 SMs
+    assert dk.choose_num_splits(8, 8192, 64, cuda) == 17  # 8 programs: 17 splits
+    # programs that take a whole SM: at most one per SM, so no program waits for a second wave
+    assert dk.choose_num_splits(16 * 8, 8192, 64, cuda, whole_sm=True) == 1
+    assert dk.choose_num_splits(60, 8192, 64, cuda, whole_sm=True) == 2  # 120 programs, where 3 would make 180
+    assert dk.choose_num_splits(8, 8192, 64, cuda, whole_sm=True) == 16  # 128 programs
+    assert dk.choose_num_splits(200, 8192, 64, cuda, whole_sm=True) == 1
     assert dk.choose_num_splits(8, 1024, 64, cuda) == 8  # but 16 key blocks: 8 splits of 2
     assert dk.choose_num_splits(16 * 8, 100, 64, cuda) == 1  # too short to split
     assert dk.choose_num_splits(1, 1 << 20, 64, cuda) == dk.MAX_SPLITS
     assert dk.choose_num_splits(4096, 1 << 20, 64, cuda) == 1  # the grid alone fills the GPU
+    # which tiles take a whole SM: D = 128's three stages of 128 keys do (2 x 64 KB of K and V in flight),
+    # D = 64's and D = 256's (32-key blocks, two stages) leave room for more programs
+    tile = dk.decode_config(4, 128, cuda)
+    assert dk.fills_sm(tile, 128, 2) and not dk.fills_sm(dk.decode_config(4, 64, cuda), 64, 2)
+    assert not dk.fills_sm(dk.decode_config(4, 256, cuda), 256, 2)
 
 
 # ----------------------------------------------------------------------------------------------
