@@ -368,7 +368,8 @@ def choose_num_splits(programs: int, max_keys: int, block_n: int, device: torch.
 # --8<-- [end:decode-num-splits]
 
 
-_PLANS = table("decode.plans")  # (rows, block_d, B * Hkv, max_keys, num_splits asked, device) -> (cfg, tiles, splits)
+# (rows, block_d, B * Hkv, max_keys, splits asked, dtype, device) -> (cfg, tiles, splits)
+_PLANS = table("decode.plans")
 
 
 def _scratch(shape, device) -> torch.Tensor:
@@ -412,7 +413,7 @@ def launch_decode(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, prob
     rows = group * n_q
     block_d = _head_dim_block(d)
     # the tile and the split count, worked out once per shape (a decoding step is short: it feels each)
-    plan_key = (rows, block_d, batch * h_kv, max_keys, num_splits, q.device)
+    plan_key = (rows, block_d, batch * h_kv, max_keys, num_splits, q.dtype, q.device)
     plan = _PLANS.get(plan_key)
     if plan is None:
         cfg = decode_config(rows, block_d, q.device)
