@@ -366,8 +366,8 @@ def test_number_of_splits_follows_the_grid_and_the_keys(monkeypatch):
     assert dk.choose_num_splits(16 * 8, 100, 64, cuda) == 1  # too short to split
     assert dk.choose_num_splits(1, 1 << 20, 64, cuda) == dk.MAX_SPLITS
     assert dk.choose_num_splits(4096, 1 << 20, 64, cuda) == 1  # the grid alone fills the GPU
-    # which tiles take a whole SM: D = 128's three stages of 128 keys do (2 x 64 KB of K and V in flight),
-    # D = 64's and D = 256's (32-key blocks, two stages) leave room for more programs
+    # which tiles take a whole SM: D = 128's three stages of 128 keys do (2 x 64 KB of K and V in flight);
+    # D = 64's (half the bytes a key) and D = 256's (32-key blocks, two stages) leave room for more programs
     tile = dk.decode_config(4, 128, cuda)
     assert dk.fills_sm(tile, 128, 2) and not dk.fills_sm(dk.decode_config(4, 64, cuda), 64, 2)
     assert not dk.fills_sm(dk.decode_config(4, 256, cuda), 256, 2)
