@@ -306,13 +306,12 @@ def test_page_parts_say_plainly_when_no_run_is_committed_and_show_it_once_there(
     (tmp_path / "short" / "first_call.json").write_text(json.dumps(first))
     assert "| configuration | mode |" in hooks._benchmarks("first-call")
     (tmp_path / "core").mkdir()
-    row = {"B": 1, "M": 4096, "Nq": 1, "check": {"passed": True}, "status": "ok", "gqa": "packed",
-           "layout": "view", "graph": {"us": 20.0, "copy_fraction": 0.2}}
-    decode_run = {"what": "decoding", "device": "a GPU", "versions": {"torch": "2", "triton": "3"},
-                  "copy_bandwidth_gbps": 4000.0, "modes": ["graph"],
-                  "rows": [dict(row, provider="flashattn_dense"), dict(row, provider="sdpa_cudnn", graph={"us": 16.0})]}
+    row = {"B": 1, "M": 4096, "Nq": 1, "check": {"passed": True}, "status": "ok", "gqa": "packed", "layout": "view"}
     for name, us in (("dense_decode_a.json", 30.0), ("dense_decode_b.json", 20.0)):
-        decode_run["rows"][0]["graph"]["us"] = us
+        rows = [dict(row, provider="flashattn_dense", graph={"us": us, "copy_fraction": 0.2}),
+                dict(row, provider="sdpa_cudnn", graph={"us": 16.0})]
+        decode_run = {"what": "decoding", "device": "a GPU", "versions": {"torch": "2", "triton": "3"},
+                      "copy_bandwidth_gbps": 4000.0, "modes": ["graph"], "rows": rows}
         (tmp_path / "core" / name).write_text(json.dumps(decode_run))
     page = hooks._benchmarks("decoding")
     assert "| 1 | 4096 | 1 | 20 | 16 | 0.80x | 20% |" in page and "dense_decode_b.json" in page  # the last run
