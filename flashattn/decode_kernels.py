@@ -11,6 +11,8 @@ fill one row of a 128-row tile and walk every key alone. Here instead:
   (:func:`flashattn.schedule.decode_split_range`). Each writes its tile's output normalized over
   its own keys, and the base-2 log-sum-exp of those keys, to float32 scratch.
 * **Merge**: a second small kernel combines the partials of each row with the online-softmax merge.
+  On sm_90 and later it is launched as a programmatic dependent of the split kernel, so it is
+  scheduled while the split kernel runs and waits in the kernel (``gdc_wait``) for its partials.
 
 Grid of the split kernel: (B * Hkv, splits, query tiles); the first axis is the one that grows with
 the problem (axes 1 and 2 stop at 65535). With one split the split kernel writes the final output
@@ -39,6 +41,11 @@ from flashattn.problem import Problem, dense_like
 from flashattn.problem import head_dim_block as _head_dim_block
 from flashattn.tensors import ceil_div
 from flashattn.tensors import interpreter_needs_float32 as _interpreter_needs_float32
+
+try:  # programmatic dependent launch; a Triton without it launches the merge after the split kernel
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    gdc_launch_dependents = gdc_wait = None
 
 
 # --8<-- [start:decode-key-rows]
@@ -181,8 +188,10 @@ def _decode_split_kernel(
     H_KV, N_Q, N_NEW, N_SPLITS, qk_scale,  #
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
     SCALAR_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the merge may be scheduled now; it waits for this grid's writes before it reads them
+        gdc_launch_dependents()
     i_bh = tl.program_id(0)  # batch * K/V head
     i_split = tl.program_id(1)
     i_t = tl.program_id(2)  # tile of packed query rows
@@ -268,37 +277,45 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     O_PART, LSE_PART, O, LSE,  #
     stride_ob, stride_on, stride_oh, stride_od,  #
-    H_KV, N_Q, N_SPLITS,  #
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    H_KV, N_Q, N_SPLITS, N_BH,  #
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Merge the partials of BLOCK_R packed rows: LSE = log2 sum_s 2^LSE_s, O = sum_s 2^(LSE_s - LSE) O_s."""
-    i_bh = tl.program_id(0)
+    """Merge the partials of BLOCK_R packed rows in BLOCK_C columns, BLOCK_S splits a step:
+    LSE = log2 sum_s 2^LSE_s, O = sum_s 2^(LSE_s - LSE) O_s."""
+    if PDL:  # launched before the split kernel ended: wait until it has, and its writes are visible
+        gdc_wait()
+    n_rows = GROUP * N_Q
+    row_blocks = tl.cdiv(n_rows, BLOCK_R)
+    i_bh = tl.program_id(0) // row_blocks
     i_b = i_bh // H_KV
     i_hkv = i_bh % H_KV
-    n_rows = GROUP * N_Q
-    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_r = (tl.program_id(0) % row_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
     mask_r = offs_r < n_rows
-    mask_d = offs_d < HEAD_DIM
+    mask_c = offs_c < HEAD_DIM
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)  # pivot: the largest LSE so far
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)  # sum of 2^(LSE_s - m_i)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)  # sum of 2^(LSE_s - m_i) O_s
-    for i_split in range(0, N_SPLITS):
-        part = (i_split * tl.num_programs(0) + i_bh).to(tl.int64) * n_rows + offs_r  # [BLOCK_R]
-        b_lse2 = tl.load(LSE_PART + part, mask=mask_r, other=float("-inf"))  # [BLOCK_R]
-        # the output loads beside its LSE, not behind it (one wait on memory per split, not two); an
-        # empty partial's output was never written, so whatever the scratch holds there is dropped,
-        # not weighed by 0 (0 * NaN is NaN)
-        b_o = tl.load(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=mask_r[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_R, BLOCK_D]
-        b_o = tl.where((b_lse2 != float("-inf"))[:, None], b_o, 0.0)
-        m_new = tl.maximum(m_i, b_lse2)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)  # sum of 2^(LSE_s - m_i) O_s
+    # A step loads the LSEs and outputs of BLOCK_S splits at once and sums them down the splits, so
+    # the loop waits on memory once per BLOCK_S splits (usually once in all), not once per split.
+    for first in range(0, N_SPLITS, BLOCK_S):
+        split = first + tl.arange(0, BLOCK_S)  # [BLOCK_S]
+        part = (split.to(tl.int64)[:, None] * N_BH + i_bh) * n_rows + offs_r[None, :]  # [BLOCK_S, BLOCK_R]
+        mask_sr = (split < N_SPLITS)[:, None] & mask_r[None, :]
+        b_lse2 = tl.load(LSE_PART + part, mask=mask_sr, other=float("-inf"))
+        # an empty partial's output was never written, so whatever the scratch holds there is
+        # dropped, not weighed by 0 (0 * NaN is NaN)
+        b_o = tl.load(O_PART + part[:, :, None] * HEAD_DIM + offs_c[None, None, :],
+                      mask=mask_sr[:, :, None] & mask_c[None, None, :], other=0.0)  # [BLOCK_S, BLOCK_R, BLOCK_C]
+        b_o = tl.where((b_lse2 != float("-inf"))[:, :, None], b_o, 0.0)
+        m_new = tl.maximum(m_i, tl.max(b_lse2, axis=0))
         # rows with no partial seen yet pivot at 0, so 2^(-inf - 0) = 0 instead of 2^(-inf + inf) = NaN
         m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_pivot)
-        w = tl.exp2(b_lse2 - m_pivot)  # this partial's share of the softmax mass, up to 2^m_pivot
-        l_i = l_i * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * b_o
+        w = tl.exp2(b_lse2 - m_pivot[None, :])  # [BLOCK_S, BLOCK_R]: each partial's share of the mass, up to 2^m_pivot
+        l_i = l_i * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * b_o, axis=0)
         m_i = m_new
     # l_i >= 1 for every row some split saw (its largest partial weighs 2^0); rows none saw get 0 / -inf
     empty = l_i == 0.0
@@ -307,9 +324,10 @@ def _decode_merge_kernel(
     i_q = (offs_r // GROUP).to(tl.int64)
     i_hq = i_hkv * GROUP + offs_r % GROUP
     p_o = O + i_b.to(tl.int64) * stride_ob + i_q[:, None] * stride_on + i_hq[:, None] * stride_oh \
-        + offs_d[None, :] * stride_od
-    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
-    tl.store(LSE + (i_b.to(tl.int64) * (H_KV * GROUP) + i_hq) * N_Q + i_q, b_lse, mask=mask_r)
+        + offs_c[None, :] * stride_od
+    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=mask_r[:, None] & mask_c[None, :])
+    if tl.program_id(1) == 0:  # every column block computes the rows' LSE; the first stores it
+        tl.store(LSE + (i_b.to(tl.int64) * (H_KV * GROUP) + i_hq) * N_Q + i_q, b_lse, mask=mask_r)
 # --8<-- [end:decode-merge-kernel]
 
 
@@ -339,6 +357,14 @@ def decode_config(rows: int, block_d: int, device: torch.device) -> _config.Kern
 
 
 # --8<-- [start:decode-num-splits]
+def dependent_launch(device: torch.device) -> bool:
+    """Whether the merge launches as a programmatic dependent of the split kernel: on sm_90 and later,
+    where the installed Triton has it, and not under the interpreter."""
+    if gdc_wait is None or _config.is_interpreter() or device.type != "cuda":
+        return False
+    return _config._capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
 def fills_sm(cfg: _config.KernelConfig, block_d: int, element_size: int) -> bool:
     """Whether a split program's key and value stages take more than half of an SM's shared memory, so
     that no second program runs beside it (its loop holds ``num_stages - 1`` blocks of K and V in flight)."""
@@ -368,7 +394,18 @@ def choose_num_splits(programs: int, max_keys: int, block_n: int, device: torch.
 # --8<-- [end:decode-num-splits]
 
 
-# (rows, block_d, B * Hkv, max_keys, splits asked, dtype, device) -> (cfg, tiles, splits)
+MERGE_TILE = 4096  # elements of a merge step's [splits, rows, columns] tile
+
+
+def merge_blocks(rows: int, block_d: int, splits: int) -> tuple[int, int, int]:
+    """The merge's tile: up to 16 packed rows and 32 columns a program, and as many splits a step as
+    fill ``MERGE_TILE``, so that a step waits on its loads once for all of them."""
+    block_r = min(16, triton.next_power_of_2(rows))
+    block_c = min(32, block_d)
+    return block_r, block_c, min(triton.next_power_of_2(splits), max(1, MERGE_TILE // (block_r * block_c)))
+
+
+# (rows, block_d, B * Hkv, max_keys, splits asked, dtype, device) -> (cfg, tiles, splits, dependent launch)
 _PLANS = table("decode.plans")
 
 
@@ -423,8 +460,8 @@ def launch_decode(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, prob
                              f"need {tiles} tiles of {cfg.block_m}, at most 65535")
         splits = num_splits or choose_num_splits(batch * h_kv * tiles, max_keys, cfg.block_n, q.device,
                                                  fills_sm(cfg, block_d, q.element_size()))
-        plan = remember(_PLANS, plan_key, (cfg, tiles, splits))
-    cfg, tiles, num_splits = plan
+        plan = remember(_PLANS, plan_key, (cfg, tiles, splits, dependent_launch(q.device)))
+    cfg, tiles, num_splits, pdl = plan
     paged = block_table is not None
     # A step whose shapes, layouts and split count repeat an earlier one's replays that step's
     # launches with its own tensors (flashattn.launch.Recipe), as the attention launchers do; an int
@@ -462,12 +499,15 @@ def launch_decode(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, prob
             block_table.stride(0) if paged else 0, *o.stride(),
             h_kv, n_q, n_new, num_splits, problem.qk_scale),
            dict(GROUP=group, PAGE_SIZE=k_cache.shape[1] if paged else 0, CAUSAL=problem.causal, DIRECT=direct,
-                SCALAR_LEN=scalar, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n),
+                SCALAR_LEN=scalar, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                PDL=pdl and not direct),
            cfg.options(), record)
     if not direct:
-        launch(_decode_merge_kernel, (batch * h_kv, tiles),
-               (o_part, lse_part, o, lse, *o.stride(), h_kv, n_q, num_splits),
-               dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_R=cfg.block_m), dict(num_warps=4), record)
+        block_r, block_c, block_s = merge_blocks(rows, block_d, num_splits)
+        launch(_decode_merge_kernel, (batch * h_kv * ceil_div(rows, block_r), ceil_div(d, block_c)),
+               (o_part, lse_part, o, lse, *o.stride(), h_kv, n_q, num_splits, batch * h_kv),
+               dict(GROUP=group, HEAD_DIM=d, BLOCK_S=block_s, BLOCK_R=block_r, BLOCK_C=block_c, PDL=pdl),
+               dict(num_warps=4, launch_pdl=True) if pdl else dict(num_warps=4), record)
     if record is not None:
         outputs = (lse,) if direct else (lse, o_part, lse_part)
         record.keep(inputs, outputs if out is not None else (o, *outputs), free)
