@@ -307,7 +307,8 @@ def test_page_parts_say_plainly_when_no_run_is_committed_and_show_it_once_there(
     assert "| configuration | mode |" in hooks._benchmarks("first-call")
     (tmp_path / "core").mkdir()
     row = {"B": 1, "M": 4096, "Nq": 1, "check": {"passed": True}, "status": "ok", "gqa": "packed", "layout": "view"}
-    for name, us in (("dense_decode_a.json", 30.0), ("dense_decode_b.json", 20.0)):
+    for name, us in (("dense_decode_a.json", 30.0), ("dense_decode_a_88.json", 40.0), ("dense_decode_b.json", 20.0),
+                     ("dense_decode_b_88.json", 32.0)):
         rows = [dict(row, provider="flashattn_dense", graph={"us": us, "copy_fraction": 0.2}),
                 dict(row, provider="sdpa_cudnn", graph={"us": 16.0})]
         decode_run = {"what": "decoding", "device": "a GPU", "versions": {"torch": "2", "triton": "3"},
@@ -315,6 +316,9 @@ def test_page_parts_say_plainly_when_no_run_is_committed_and_show_it_once_there(
         (tmp_path / "core" / name).write_text(json.dumps(decode_run))
     page = hooks._benchmarks("decoding")
     assert "| 1 | 4096 | 1 | 20 | 16 | 0.80x | 20% |" in page and "dense_decode_b.json" in page  # the last run
+    assert "| 1 | 4096 | 1 | 32 | 16 | 0.50x | 20% |" in page and "dense_decode_b_88.json" in page  # and its companion
+    assert page.index("dense_decode_b.json") < page.index("dense_decode_b_88.json")
+    assert "dense_decode_a" not in page and "| 30 |" not in page and "| 40 |" not in page
     with pytest.raises(ValueError, match="unknown benchmarks part"):
         hooks._benchmarks("nope")
 

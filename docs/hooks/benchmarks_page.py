@@ -144,12 +144,16 @@ def first_call(folder: Path) -> str:
 
 def decoding(folder: Path) -> str:
     """The last committed run of dense-API decoding (``benchmarks.decode`` with ``flashattn_dense``; runs are
-    committed as ``dense_decode_a.json``, ``_b``, ..., so the last by name), or a plain note when there is none."""
-    runs = sorted(folder.glob("dense_decode_*.json")) if folder.is_dir() else []
+    committed as ``dense_decode_a.json``, ``_b``, ..., so the last by name) and the runs committed beside it
+    under its name with a suffix (``dense_decode_i_88.json``: other heads or dtype), or a plain note when
+    there is none."""
+    runs = sorted(path for path in folder.glob("dense_decode_*.json") if "_" not in path.stem[len("dense_decode_"):]) \
+        if folder.is_dir() else []
     if not runs:
         return ('!!! info "No run committed yet"\n\n'
                 "    `benchmarks/results/core/dense_decode_*.json` is not there: no run of `benchmarks.decode`\n"
                 "    with `flashattn_dense` has been committed yet.\n")
     from benchmarks import decode as decode_mod
 
-    return decode_mod.markdown(_json(runs[-1])) + f"\nFrom `benchmarks/results/core/{runs[-1].name}`.\n"
+    return "\n".join(decode_mod.markdown(_json(run)) + f"\nFrom `benchmarks/results/core/{run.name}`.\n"
+                     for run in [runs[-1], *sorted(folder.glob(f"{runs[-1].stem}_*.json"))])
