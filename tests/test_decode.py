@@ -15,7 +15,7 @@ import torch
 import flashattn
 import flashattn.autograd
 import flashattn.decode_kernels
-from flashattn import reference, schedule
+from flashattn import _memo, reference, schedule
 from flashattn.decode import attention_with_kvcache
 from flashattn.testing import assert_close_ratio, random_qkv
 
@@ -117,17 +117,24 @@ def test_interpreter_paged_cache_with_shuffled_pages(page_size, causal, dtype):
 
 
 @cpu_only
-@pytest.mark.parametrize("num_splits", [1, 2, 9], ids=["direct", "2", "9-mostly-empty"])
-def test_interpreter_splits_and_poisoned_scratch(num_splits, monkeypatch):
+@pytest.mark.parametrize("num_splits, merge_tile", [(1, None), (2, None), (9, None), (9, 256), (9, 128)],
+                         ids=["direct", "2", "9-mostly-empty", "9-in-steps-of-2", "9-one-a-step"])
+def test_interpreter_splits_and_poisoned_scratch(num_splits, merge_tile, monkeypatch):
     """One split writes the output directly; 9 splits of 3 blocks leave most splits without keys.
 
     The scratch is handed out filled with NaN: a merge that read an empty partial's output (never
-    written) would return NaN.
+    written) would return NaN. With a merge tile of 256 floats (4 rows x 32 columns x 2 splits) the merge
+    takes the 9 splits in five steps, the last one half empty, and with 128 floats one split a step,
+    folding each step into the state of the ones before (a later split with a larger LSE rescales it).
     """
     def poisoned(shape, device):
         return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
 
     monkeypatch.setattr(flashattn.decode_kernels, "_scratch", poisoned)
+    if merge_tile is not None:
+        monkeypatch.setattr(flashattn.decode_kernels, "MERGE_TILE", merge_tile)
+        assert flashattn.decode_kernels.merge_blocks(4, 32, num_splits) == (4, 32, merge_tile // 128)
+    _memo.clear()  # no recipe of an earlier case with these shapes may stand in for this one's launches
     q, k_cache, v_cache, k_new, v_new = _make(2, 2, 4, 2, 32, 48, 1, torch.float16, seed=4)
     _check(q, k_cache, v_cache, torch.tensor([40, 0], dtype=torch.int32), k_new, v_new, True, num_splits=num_splits)
 
