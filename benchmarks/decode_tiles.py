@@ -6,7 +6,8 @@ SDPA flash's in the same process. The sweep behind ``decode_kernels.PROGRAMS_PER
 
 Each setting patches :func:`flashattn.decode_kernels.decode_config` (block_n, warps, stages; block_m as
 the launcher picks it) and :func:`~flashattn.decode_kernels.choose_num_splits` (programs per SM, at
-least ``min_keys`` keys per split), clears the memo tables, checks ``flashattn.attention``'s output
+least ``min_keys`` keys per split), makes :func:`~flashattn.decode_kernels.fit_tile` keep that tile,
+clears the memo tables, checks ``flashattn.attention``'s output
 against cuDNN's (max abs difference below 0.02) and times it. Writes ``OUT_DIR/decode_sweep.json``
 after every shape; prints the five best settings per shape.
 """
@@ -51,18 +52,21 @@ def use(tile, rule, sm_count):
     def config(rows, block_d, device):
         return _config.KernelConfig(min(64, max(16, 1 << (rows - 1).bit_length())), block_n, warps, stages)
 
-    def splits(programs, max_keys, block_n_, device):
+    def splits(programs, max_keys, block_n_, device, whole_sm=False):
         return max(1, min(ceil_div(per_sm * sm_count, programs), max(1, max_keys // min_keys), decode_kernels.MAX_SPLITS))
 
-    decode_kernels.decode_config, decode_kernels.choose_num_splits = config, splits
+    def fit(cfg, *args):  # the setting's tile as it is
+        return cfg
+
+    decode_kernels.decode_config, decode_kernels.choose_num_splits, decode_kernels.fit_tile = config, splits, fit
     _memo.clear()
 
 
-ORIGINAL = (decode_kernels.decode_config, decode_kernels.choose_num_splits)
+ORIGINAL = (decode_kernels.decode_config, decode_kernels.choose_num_splits, decode_kernels.fit_tile)
 
 
 def restore():
-    decode_kernels.decode_config, decode_kernels.choose_num_splits = ORIGINAL
+    decode_kernels.decode_config, decode_kernels.choose_num_splits, decode_kernels.fit_tile = ORIGINAL
     _memo.clear()
 
 

@@ -19,7 +19,7 @@ import torch
 from benchmarks import side
 
 QUERIES = (1, 4, 16, 32, 64)
-KEYS = (128, 256, 512, 1024, 4096)
+KEYS = (128, 256, 512, 1024, 2048, 4096)
 SHAPES = ((1, 32, 8), (16, 32, 8), (4, 8, 8))  # (B, Hq, Hkv)
 
 

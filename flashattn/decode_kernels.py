@@ -333,9 +333,8 @@ def _decode_merge_kernel(
 
 # The tile's M side is the packed rows, at least 16 for tl.dot; the key block is as long as the
 # registers allow at each head dim. At D = 128 the key block and the depth are the sweeps' choice:
-# 128-key blocks, three stages
-# (docs/kernels/tuning-log.md#decodings-split-kernel-three-stages-and-one-wave-rounded-down-issue-44);
-# elsewhere they are not tuned.
+# 128-key blocks, three stages, fitted to the grid by fit_tile
+# (docs/kernels/tuning-log.md#decodings-tile-fitted-to-its-grid-issue-44); elsewhere they are not tuned.
 _INTERPRETER_BLOCK_M, _INTERPRETER_BLOCK_N = 16, 16
 _INTERPRETER_SPLITS = 3  # fixed, so that the tests walk several splits, some of them empty
 MAX_SPLITS = 128
@@ -349,14 +348,11 @@ def decode_config(rows: int, block_d: int, device: torch.device) -> _config.Kern
     if _config.is_interpreter() or device.type != "cuda":
         return _config.KernelConfig(_INTERPRETER_BLOCK_M, _INTERPRETER_BLOCK_N, 4, 1)
     block_m = min(64, _head_dim_block(rows))  # rows padded as a head dim is: a power of two, at least 16
-    if block_d <= 64:
-        return _config.KernelConfig(block_m, 128, 4, 3)
     if block_d <= 128:
         return _config.KernelConfig(block_m, 128, 4, 3)
     return _config.KernelConfig(block_m, 32, 4, 2)
 
 
-# --8<-- [start:decode-num-splits]
 def dependent_launch(device: torch.device) -> bool:
     """Whether the merge launches as a programmatic dependent of the split kernel: on sm_90 and later,
     where the installed Triton has it, and not under the interpreter."""
@@ -365,6 +361,7 @@ def dependent_launch(device: torch.device) -> bool:
     return _config._capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 
 
+# --8<-- [start:decode-num-splits]
 def fills_sm(cfg: _config.KernelConfig, block_d: int, element_size: int) -> bool:
     """Whether a split program's key and value stages take more than half of an SM's shared memory, so
     that no second program runs beside it (its loop holds ``num_stages - 1`` blocks of K and V in flight)."""
@@ -391,6 +388,25 @@ def choose_num_splits(programs: int, max_keys: int, block_n: int, device: torch.
     wanted = slots // programs if whole_sm else ceil_div(slots, programs)
     longest = ceil_div(max_keys, block_n) // MIN_BLOCKS_PER_SPLIT
     return max(1, min(wanted, longest, MAX_SPLITS))
+
+
+def fit_tile(cfg: _config.KernelConfig, block_d: int, programs: int, max_keys: int, splits: int,
+             device: torch.device) -> _config.KernelConfig:
+    """The D = 128 tile fitted to its grid (``programs`` before splitting, ``splits`` of ``max_keys``).
+
+    More programs than SMs before any split: two stages, so three programs share an SM and the grid
+    runs in one wave instead of a second wave of whole-SM programs. Splits of at most
+    ``MIN_BLOCKS_PER_SPLIT`` key blocks: blocks half as long, so a short split's loads and products
+    still overlap in its pipeline.
+    """
+    if block_d != 128 or _config.is_interpreter() or device.type != "cuda":
+        return cfg
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if programs > _config._sm_count(index):
+        return _config.KernelConfig(cfg.block_m, cfg.block_n, cfg.num_warps, 2)
+    if ceil_div(max_keys, splits) <= MIN_BLOCKS_PER_SPLIT * cfg.block_n:
+        return _config.KernelConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, cfg.num_stages)
+    return cfg
 # --8<-- [end:decode-num-splits]
 
 
@@ -460,6 +476,7 @@ def launch_decode(q, k_cache, v_cache, seq_lens, k_new, v_new, block_table, prob
                              f"need {tiles} tiles of {cfg.block_m}, at most 65535")
         splits = num_splits or choose_num_splits(batch * h_kv * tiles, max_keys, cfg.block_n, q.device,
                                                  fills_sm(cfg, block_d, q.element_size()))
+        cfg = fit_tile(cfg, block_d, batch * h_kv * tiles, max_keys, splits, q.device)
         plan = remember(_PLANS, plan_key, (cfg, tiles, splits, dependent_launch(q.device)))
     cfg, tiles, num_splits, pdl = plan
     paged = block_table is not None

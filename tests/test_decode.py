@@ -357,7 +357,7 @@ def test_split_range_deals_whole_blocks_and_covers_every_key():
 def test_number_of_splits_follows_the_grid_and_the_keys(monkeypatch):
     """The GPU heuristic (run here on a pretend 132-SM device): split until ~1 program per SM, rounded
     down for programs that take a whole SM, at most one split per 2 key blocks, at most MAX_SPLITS, and
-    never below 1."""
+    never below 1; then the D = 128 tile fitted to the grid."""
     dk = flashattn.decode_kernels
     monkeypatch.setattr(dk._config, "is_interpreter", lambda: False)
     monkeypatch.setattr(dk._config, "_sm_count", lambda index: 132)
@@ -378,6 +378,21 @@ def test_number_of_splits_follows_the_grid_and_the_keys(monkeypatch):
     tile = dk.decode_config(4, 128, cuda)
     assert dk.fills_sm(tile, 128, 2) and not dk.fills_sm(dk.decode_config(4, 64, cuda), 64, 2)
     assert not dk.fills_sm(dk.decode_config(4, 256, cuda), 256, 2)
+    # the D = 128 tile fitted to its grid: 128-key blocks, three stages ...
+    assert (tile.block_n, tile.num_stages) == (128, 3)
+    assert dk.fit_tile(tile, 128, 8, 16384, 16, cuda) == tile  # one sequence, 16 splits of 1024 keys
+    assert dk.fit_tile(tile, 128, 128, 4096, 1, cuda) == tile  # 16 sequences: 128 programs, one wave
+    # ... two stages where the grid has more programs than SMs (3 share an SM: 72 KB of 228 each) ...
+    wide = dk.fit_tile(tile, 128, 133, 4096, 1, cuda)
+    assert (wide.block_m, wide.block_n, wide.num_stages) == (16, 128, 2) and not dk.fills_sm(wide, 128, 2)
+    # ... and 64-key blocks where a split gets at most two blocks of 128 keys
+    short = dk.fit_tile(tile, 128, 8, 4096, 16, cuda)
+    assert (short.block_m, short.block_n, short.num_stages) == (16, 64, 3)
+    assert dk.fit_tile(tile, 128, 8, 4097, 16, cuda) == tile  # 257 keys a split
+    # other head dims keep their tiles
+    for block_d in (64, 256):
+        other = dk.decode_config(4, block_d, cuda)
+        assert dk.fit_tile(other, block_d, 8, 4096, 16, cuda) == other == dk.fit_tile(other, block_d, 512, 4096, 1, cuda)
 
 
 # ----------------------------------------------------------------------------------------------
