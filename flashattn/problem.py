@@ -204,23 +204,26 @@ def _variants(n: int, m: int, causal, window, softcap, alibi, dropout_p) -> tupl
     return window, float(softcap or 0.0), bool(alibi), float(dropout_p)
 
 # The dense entry point hands a call to the split-KV kernels up to this many queries, from this many
-# keys (:func:`split_kv_wins`; benchmarks.split_kv_rule times both paths around these bounds).
+# keys, or from fewer where the grid has many K/V heads (:func:`split_kv_wins`; benchmarks.split_kv_rule
+# times both paths around these bounds).
 SPLIT_KV_MAX_QUERIES = 64
 SPLIT_KV_MIN_KEYS = 512
+SPLIT_KV_WIDE_HEADS = 128
+SPLIT_KV_WIDE_MIN_KEYS = 128
 
 
 def split_kv_wins(n: int, m: int, kv_heads: int) -> bool:
     """Whether the split-KV kernels beat the dense forward on ``n`` queries against ``m`` keys per
-    head, ``kv_heads`` = B * Hkv. Against a long cache (4096 keys and more) for up to 16 queries, or up
-    to 64 queries where few K/V heads leave the dense grid mostly idle; against a shorter one only for
-    up to 16 queries on enough K/V heads to fill the GPU with packed tiles. Two sweeps on an H100
-    (causal, D = 128) agreed on these regions; outside them the eager split-KV call was slower or
-    varied from run to run (docs/kernels/decoding.md#the-dense-entry-point)."""
-    if n > SPLIT_KV_MAX_QUERIES or m < SPLIT_KV_MIN_KEYS:
+    head, ``kv_heads`` = B * Hkv: from 512 keys, up to 32 queries, or up to 64 where few K/V heads
+    (at most 32) leave the dense grid mostly idle; from 128 keys, up to 32 queries on 128 K/V heads or
+    more. Two sweeps on an H200 (causal, D = 128, one run) agreed on these regions; with 64 queries on
+    128 K/V heads the dense forward was faster, and below 512 keys on fewer K/V heads neither won
+    clearly (docs/kernels/decoding.md#the-dense-entry-point)."""
+    if n > SPLIT_KV_MAX_QUERIES:
         return False
-    if m >= 4096:
-        return n <= 16 or kv_heads <= 32
-    return n <= 16 and kv_heads >= 128
+    if m >= SPLIT_KV_MIN_KEYS:
+        return n <= 32 or kv_heads <= 32
+    return m >= SPLIT_KV_WIDE_MIN_KEYS and n <= 32 and kv_heads >= SPLIT_KV_WIDE_HEADS
 
 
 def variant_abi(problem: Problem, alibi_slopes=None, seed: int = 0, dummy=None) -> tuple[dict, tuple]:

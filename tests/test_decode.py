@@ -636,11 +636,26 @@ def test_benchmark_table_reports_ratio_bandwidth_and_wrong_results(tmp_path, mon
 # -- the dense entry point hands few queries to the split-KV kernels (Problem.split_kv) ----------------
 
 
+def test_split_kv_rule_regions():
+    """From 512 keys: up to 32 queries on any number of K/V heads, up to 64 on at most 32 of them; from
+    128 keys, up to 32 queries on 128 K/V heads or more."""
+    from flashattn.problem import split_kv_wins
+
+    assert split_kv_wins(1, 512, 8) and split_kv_wins(32, 600, 128) and split_kv_wins(64, 4096, 32)
+    assert split_kv_wins(16, 1 << 20, 4096) and split_kv_wins(33, 512, 1)
+    assert not split_kv_wins(1, 511, 8) and not split_kv_wins(4, 300, 127)  # few keys, few K/V heads
+    assert split_kv_wins(1, 128, 128) and split_kv_wins(32, 511, 4096)  # few keys, many K/V heads
+    assert not split_kv_wins(1, 127, 4096) and not split_kv_wins(33, 511, 128)
+    assert not split_kv_wins(33, 4096, 33) and not split_kv_wins(64, 1 << 20, 128)  # the dense grid is full
+    assert not split_kv_wins(65, 1 << 20, 1)  # too many queries
+
+
 @pytest.mark.parametrize("b, h_q, h_kv, n, m, d, causal, layout, split_kv", [
     (1, 4, 2, 1, 4096, 32, False, "bhnd", True),
     (1, 4, 1, 3, 4100, 40, True, "bnhd", True),
     (1, 2, 1, 40, 4097, 16, True, "bhnd", True),  # more queries, few K/V heads, a long cache
-    (2, 2, 2, 4, 300, 64, True, "bhnd", False),  # a short cache: the dense forward
+    (1, 4, 2, 1, 600, 32, True, "bhnd", True),  # a shorter cache, one query
+    (2, 2, 2, 4, 100, 64, True, "bhnd", False),  # a short cache: the dense forward
     (1, 8, 2, 2, 1, 16, True, "bhnd", False),  # M < N: a causal row that sees no key
 ])
 def test_dense_entry_point_hands_few_queries_to_split_kv(b, h_q, h_kv, n, m, d, causal, layout, split_kv,

@@ -145,8 +145,8 @@ def first_call(folder: Path) -> str:
 def decoding(folder: Path) -> str:
     """The last committed run of dense-API decoding (``benchmarks.decode`` with ``flashattn_dense``; runs are
     committed as ``dense_decode_a.json``, ``_b``, ..., so the last by name) and the runs committed beside it
-    under its name with a suffix (``dense_decode_i_88.json``: other heads or dtype), or a plain note when
-    there is none."""
+    under its name with a suffix (``dense_decode_j_88.json``: other heads, dtype or cache lengths), or a
+    plain note when there is none."""
     runs = sorted(path for path in folder.glob("dense_decode_*.json") if "_" not in path.stem[len("dense_decode_"):]) \
         if folder.is_dir() else []
     if not runs:
