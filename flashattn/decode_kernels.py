@@ -298,7 +298,7 @@ def _decode_merge_kernel(
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)  # sum of 2^(LSE_s - m_i)
     acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)  # sum of 2^(LSE_s - m_i) O_s
     # A step loads the LSEs and outputs of BLOCK_S splits at once and sums them down the splits, so
-    # the loop waits on memory once per BLOCK_S splits (usually once in all), not once per split.
+    # the loop waits on memory once per BLOCK_S splits (once in all where a step holds every split).
     for first in range(0, N_SPLITS, BLOCK_S):
         split = first + tl.arange(0, BLOCK_S)  # [BLOCK_S]
         part = (split.to(tl.int64)[:, None] * N_BH + i_bh) * n_rows + offs_r[None, :]  # [BLOCK_S, BLOCK_R]
@@ -396,8 +396,8 @@ def fit_tile(cfg: _config.KernelConfig, block_d: int, programs: int, max_keys: i
 
     More programs than SMs before any split: two stages, so three programs share an SM and the grid
     runs in one wave instead of a second wave of whole-SM programs. Splits of at most
-    ``MIN_BLOCKS_PER_SPLIT`` key blocks: blocks half as long, so a short split's loads and products
-    still overlap in its pipeline.
+    ``MIN_BLOCKS_PER_SPLIT`` key blocks: blocks half as long, twice as many to a split (measured
+    faster; docs/kernels/decoding.md#how-many-splits).
     """
     if block_d != 128 or _config.is_interpreter() or device.type != "cuda":
         return cfg
