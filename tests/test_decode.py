@@ -354,6 +354,25 @@ def test_split_range_deals_whole_blocks_and_covers_every_key():
             assert covered == list(range(seq_len))
 
 
+def test_merge_launches_as_a_dependent_only_where_it_can(monkeypatch):
+    """The merge is a programmatic dependent of the split kernel on sm_90 and later with a Triton that
+    has gdc_wait, never under the interpreter, on a CPU tensor or an older GPU."""
+    dk = flashattn.decode_kernels
+    cuda = torch.device("cuda", 0)
+    assert not dk.dependent_launch(torch.device("cpu"))
+    monkeypatch.setattr(dk._config, "is_interpreter", lambda: True)
+    monkeypatch.setattr(dk._config, "_capability", lambda index: (9, 0))
+    assert not dk.dependent_launch(cuda)
+    monkeypatch.setattr(dk._config, "is_interpreter", lambda: False)
+    assert dk.dependent_launch(cuda) == (dk.gdc_wait is not None)
+    monkeypatch.setattr(dk._config, "_capability", lambda index: (8, 0))
+    assert not dk.dependent_launch(cuda)
+    monkeypatch.setattr(dk._config, "_capability", lambda index: (10, 0))
+    assert dk.dependent_launch(cuda) == (dk.gdc_wait is not None)
+    monkeypatch.setattr(dk, "gdc_wait", None)
+    assert not dk.dependent_launch(cuda)
+
+
 def test_number_of_splits_follows_the_grid_and_the_keys(monkeypatch):
     """The GPU heuristic (run here on a pretend 132-SM device): split until ~1 program per SM, rounded
     down for programs that take a whole SM, at most one split per 2 key blocks, at most MAX_SPLITS, and
