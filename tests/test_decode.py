@@ -401,7 +401,7 @@ def test_number_of_splits_follows_the_grid_and_the_keys(monkeypatch):
     assert (tile.block_n, tile.num_stages) == (128, 3)
     assert dk.fit_tile(tile, 128, 8, 16384, 16, cuda) == tile  # one sequence, 16 splits of 1024 keys
     assert dk.fit_tile(tile, 128, 128, 4096, 1, cuda) == tile  # 16 sequences: 128 programs, one wave
-    # ... two stages where the grid has more programs than SMs (3 share an SM: 72 KB of 228 each) ...
+    # ... two stages where the grid has more programs than SMs (72 KB each: three fit in an SM's 228 KB) ...
     wide = dk.fit_tile(tile, 128, 133, 4096, 1, cuda)
     assert (wide.block_m, wide.block_n, wide.num_stages) == (16, 128, 2) and not dk.fills_sm(wide, 128, 2)
     # ... and 64-key blocks where a split gets at most two blocks of 128 keys
