@@ -336,9 +336,14 @@ def gluon_kernel(kernel: str, problem: Problem, device: torch.device) -> bool:
             and p.scale > 0
             and p.batch * p.heads_q * p.n * p.m * p.head_dim
             >= (GLUON_FP8_MIN_WORK if p.descale else GLUON_MIN_WORK[(kernel, p.head_dim)])[int(p.causal)]
-            and _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)))
+            and _capability(index_of(device)) == (9, 0)))
     return found
 # --8<-- [end:gluon-dispatch]
+
+
+def index_of(device: torch.device) -> int:
+    """The CUDA index of ``device``: its own, or the current device's where it names none."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def current_device() -> int:
@@ -367,7 +372,7 @@ def heads_per_group(grid: tuple[int, int], device: torch.device, causal: bool) -
         return schedule.heads_per_group(n_heads, n_blocks, cap * n_blocks)
     if is_interpreter() or device.type != "cuda":
         return schedule.heads_per_group(n_heads, n_blocks, 8)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = index_of(device)
     return schedule.heads_per_group(n_heads, n_blocks, 2 * _sm_count(index))
 
 
@@ -378,7 +383,7 @@ def get_config(kernel: str, problem: Problem, device: torch.device) -> KernelCon
         return pinned[kernel]
     if is_interpreter() or device.type != "cuda":
         return _INTERPRETER[kernel]
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = index_of(device)
     major, _ = _capability(index)
     p = problem
     block_d = max(p.block_d, p.block_dv)  # split head dims take the tiles of the wider one

@@ -358,7 +358,7 @@ def dependent_launch(device: torch.device) -> bool:
     where the installed Triton has it, and not under the interpreter."""
     if gdc_wait is None or _config.is_interpreter() or device.type != "cuda":
         return False
-    return _config._capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+    return _config._capability(_config.index_of(device))[0] >= 9
 
 
 # --8<-- [start:decode-num-splits]
@@ -383,7 +383,7 @@ def choose_num_splits(programs: int, max_keys: int, block_n: int, device: torch.
     """
     if _config.is_interpreter() or device.type != "cuda":
         return _INTERPRETER_SPLITS
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _config.index_of(device)
     slots = PROGRAMS_PER_SM * _config._sm_count(index)
     wanted = slots // programs if whole_sm else ceil_div(slots, programs)
     longest = ceil_div(max_keys, block_n) // MIN_BLOCKS_PER_SPLIT
@@ -401,7 +401,7 @@ def fit_tile(cfg: _config.KernelConfig, block_d: int, programs: int, max_keys: i
     """
     if block_d != 128 or _config.is_interpreter() or device.type != "cuda":
         return cfg
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _config.index_of(device)
     if programs > _config._sm_count(index):
         return _config.KernelConfig(cfg.block_m, cfg.block_n, cfg.num_warps, 2)
     if ceil_div(max_keys, splits) <= MIN_BLOCKS_PER_SPLIT * cfg.block_n:

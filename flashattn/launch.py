@@ -602,7 +602,7 @@ def in_background(device: torch.device, call) -> concurrent.futures.Future | Non
     background compiles are off (:func:`background_compile`, or ``FLASHATTN_BACKGROUND_COMPILE=0``)."""
     if not _BACKGROUND[0] or device.type != "cuda":
         return None
-    future = _CALLS.submit(_dry_run, device.index if device.index is not None else torch.cuda.current_device(), call)
+    future = _CALLS.submit(_dry_run, _config.index_of(device), call)
     future.add_done_callback(_quietly)
     return future
 

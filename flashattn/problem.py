@@ -203,10 +203,13 @@ def _variants(n: int, m: int, causal, window, softcap, alibi, dropout_p) -> tupl
             window = (int(left), int(right))
     return window, float(softcap or 0.0), bool(alibi), float(dropout_p)
 
-# The dense entry point hands a call to the split-KV kernels up to this many queries, from this many
-# keys, or from fewer where the grid has many K/V heads (:func:`split_kv_wins`; benchmarks.split_kv_rule
-# times both paths around these bounds).
+# The dense entry point hands a call to the split-KV kernels (:func:`split_kv_wins`; benchmarks.split_kv_rule
+# times both paths around these bounds): from SPLIT_KV_MIN_KEYS keys, up to SPLIT_KV_QUERIES queries, or up
+# to SPLIT_KV_MAX_QUERIES on at most SPLIT_KV_FEW_HEADS K/V heads; from SPLIT_KV_WIDE_MIN_KEYS keys, up to
+# SPLIT_KV_QUERIES queries on at least SPLIT_KV_WIDE_HEADS K/V heads.
 SPLIT_KV_MAX_QUERIES = 64
+SPLIT_KV_QUERIES = 32
+SPLIT_KV_FEW_HEADS = 32
 SPLIT_KV_MIN_KEYS = 512
 SPLIT_KV_WIDE_HEADS = 128
 SPLIT_KV_WIDE_MIN_KEYS = 128
@@ -222,8 +225,8 @@ def split_kv_wins(n: int, m: int, kv_heads: int) -> bool:
     if n > SPLIT_KV_MAX_QUERIES:
         return False
     if m >= SPLIT_KV_MIN_KEYS:
-        return n <= 32 or kv_heads <= 32
-    return m >= SPLIT_KV_WIDE_MIN_KEYS and n <= 32 and kv_heads >= SPLIT_KV_WIDE_HEADS
+        return n <= SPLIT_KV_QUERIES or kv_heads <= SPLIT_KV_FEW_HEADS
+    return m >= SPLIT_KV_WIDE_MIN_KEYS and n <= SPLIT_KV_QUERIES and kv_heads >= SPLIT_KV_WIDE_HEADS
 
 
 def variant_abi(problem: Problem, alibi_slopes=None, seed: int = 0, dummy=None) -> tuple[dict, tuple]:
